@@ -1,0 +1,18 @@
+//! The verbs layer: the only code in the crate that calls libibverbs and
+//! librdmacm.
+//!
+//! Built on [`sideway`] 0.4 for devices, protection domains (PD), completion
+//! queues (CQ), queue pairs (QP) and memory regions (MR); `rdma-mummy-sys`
+//! (the FFI crate under sideway) is used directly only where sideway has no
+//! call: completion-event arm/get/ack and the rdma_cm calls that carry
+//! private data. Both load `libibverbs.so.1`/`librdmacm.so.1` with `dlopen`
+//! at run time, so a binary starts on a host without RDMA and reports
+//! [`Error::NoDevice`](crate::Error::NoDevice) or
+//! [`Error::LibraryUnavailable`](crate::Error::LibraryUnavailable) instead of
+//! failing to link.
+//!
+//! Every `unsafe` block in this module carries a `SAFETY:` comment.
+
+pub mod device;
+
+pub use device::{Device, DeviceAddress, Gid, GidType, LinkLayer, Port, PortState, devices, select_device};
