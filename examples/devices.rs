@@ -29,7 +29,12 @@ fn main() -> ExitCode {
         }
     };
     for dev in &devices {
-        println!("{}  node_guid {}  fw {:?}", dev.name, dev.node_guid_string(), dev.firmware);
+        println!(
+            "{}  node_guid {}  fw {:?}",
+            dev.name,
+            dev.node_guid_string(),
+            dev.firmware
+        );
         for p in &dev.ports {
             println!(
                 "  port {}: {}  link {}  mtu {} (max {})  lid {}",

@@ -59,6 +59,51 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// The server answered the handshake with a reject naming `reason`
+    /// (for example a protocol version it does not speak). Maps to
+    /// [`io::ErrorKind::ConnectionRefused`].
+    #[error("{addr} rejected the handshake: {reason:?} (server protocol version {server_version})")]
+    HandshakeRejected {
+        /// The address that was dialled.
+        addr: SocketAddr,
+        /// The reason the server gave.
+        reason: crate::proto::handshake::RejectReason,
+        /// The protocol version the server speaks.
+        server_version: u16,
+    },
+
+    /// The peer's handshake private data was invalid (not tokio-rdma, another
+    /// protocol version, truncated). Maps to [`io::ErrorKind::InvalidData`].
+    #[error("invalid handshake from peer: {0}")]
+    Handshake(#[from] crate::proto::handshake::HandshakeError),
+
+    /// The peer broke the stream protocol (bad immediate data, overran its
+    /// credit). The connection is aborted. Maps to
+    /// [`io::ErrorKind::InvalidData`].
+    #[error("protocol violation by peer: {0}")]
+    Protocol(#[from] crate::proto::ProtocolError),
+
+    /// Connecting to `addr` took longer than the configured connect timeout.
+    /// Maps to [`io::ErrorKind::TimedOut`].
+    #[error("connecting to {addr} timed out")]
+    TimedOut {
+        /// The address that was dialled.
+        addr: SocketAddr,
+    },
+
+    /// rdma_cm could not resolve an address or route to `addr` (status is
+    /// the negative errno of the ADDR_ERROR/ROUTE_ERROR event). Maps to
+    /// [`io::ErrorKind::HostUnreachable`], or `NotFound` when no RDMA device
+    /// routes to it (ENODEV).
+    #[error("no RDMA route to {addr}: {source}")]
+    Unreachable {
+        /// The address that was dialled.
+        addr: SocketAddr,
+        /// The errno rdma_cm reported.
+        #[source]
+        source: io::Error,
+    },
+
     /// The peer actively refused the connection (no RDMA listener on that
     /// port: rdma_cm `REJECTED` with the IB CM "consumer reject" reason, or
     /// `UNREACHABLE`). Maps to [`io::ErrorKind::ConnectionRefused`].
@@ -70,14 +115,6 @@ pub enum Error {
 }
 
 impl Error {
-    /// Wraps the current `errno` as a failure of the verbs call `op`.
-    pub(crate) fn last_os(op: &'static str) -> Self {
-        Error::Verbs {
-            op,
-            source: io::Error::last_os_error(),
-        }
-    }
-
     /// The [`io::ErrorKind`] this error maps onto.
     pub fn kind(&self) -> io::ErrorKind {
         match self {
@@ -85,7 +122,15 @@ impl Error {
             Error::NoDevice | Error::DeviceNotFound { .. } => io::ErrorKind::NotFound,
             Error::NoDeviceForAddress { .. } => io::ErrorKind::AddrNotAvailable,
             Error::Verbs { source, .. } => source.kind(),
-            Error::ConnectionRefused { .. } => io::ErrorKind::ConnectionRefused,
+            Error::ConnectionRefused { .. } | Error::HandshakeRejected { .. } => {
+                io::ErrorKind::ConnectionRefused
+            }
+            Error::Handshake(_) | Error::Protocol(_) => io::ErrorKind::InvalidData,
+            Error::TimedOut { .. } => io::ErrorKind::TimedOut,
+            Error::Unreachable { source, .. } => match source.raw_os_error() {
+                Some(libc::ENODEV) => io::ErrorKind::NotFound,
+                _ => io::ErrorKind::HostUnreachable,
+            },
         }
     }
 }
@@ -115,7 +160,10 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::OutOfMemory);
         assert_eq!(
             err.to_string(),
-            format!("ibv_reg_mr failed: {}", io::Error::from_raw_os_error(libc::ENOMEM))
+            format!(
+                "ibv_reg_mr failed: {}",
+                io::Error::from_raw_os_error(libc::ENOMEM)
+            )
         );
     }
 }

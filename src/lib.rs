@@ -1,21 +1,33 @@
 //! # tokio-rdma
 //!
 //! RDMA reliable-connected (RC) queue pairs (InfiniBand, RoCE) for tokio
-//! programs.
+//! programs: [`RdmaStream`]/[`RdmaListener`] behave like tokio's
+//! `TcpStream`/`TcpListener`, so hyper, tonic, tokio-util codecs and
+//! tokio-rustls run over them unchanged.
 //!
 //! Layers, bottom up (see the README's design notes):
 //! - [`verbs`]: the only code that calls libibverbs/librdmacm (through
 //!   `sideway`); device, port and GID discovery.
 //! - [`proto`]: the sans-IO protocol core: no I/O, no clock, no `unsafe`.
+//! - the runtime (`stream`): drives the core on tokio (`AsyncFd` for the
+//!   completion and rdma_cm channels, one driver task per connection).
 //!
 //! Errors are one [`Error`] enum that converts into [`std::io::Error`] with a
 //! deliberate [`std::io::ErrorKind`].
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+pub mod config;
 pub mod error;
 pub mod proto;
+pub mod stats;
+mod stream;
 #[allow(unsafe_code)]
 pub mod verbs;
 
+pub use config::RdmaConfig;
 pub use error::{Error, Result};
+pub use stats::ConnectionStats;
+pub use stream::{
+    OwnedReadHalf, OwnedWriteHalf, RdmaListener, RdmaStream, ReadHalf, ReuniteError, WriteHalf,
+};

@@ -25,7 +25,12 @@ fn listing_finds_rxe0_active_with_roce_v2_gid_for_guest_ip() {
         .iter()
         .filter(|g| g.ip == Some(GUEST_IP))
         .collect();
-    assert_eq!(v2.len(), 1, "exactly one GID maps 10.11.0.1: {:?}", port.gids);
+    assert_eq!(
+        v2.len(),
+        1,
+        "exactly one GID maps 10.11.0.1: {:?}",
+        port.gids
+    );
     assert_eq!(v2[0].gid_type, GidType::RoceV2);
     assert_eq!(v2[0].gid, Ipv4Addr::new(10, 11, 0, 1).to_ipv6_mapped());
     assert_eq!(v2[0].netdev.as_deref(), Some("veth0"));

@@ -235,7 +235,9 @@ pub fn devices() -> Result<Vec<Device>> {
     let mut out = Vec::with_capacity(list.len());
     for dev in list.iter() {
         let name = dev.name();
-        let ctx = dev.open().map_err(|e| verbs_err("ibv_open_device")(e.into()))?;
+        let ctx = dev
+            .open()
+            .map_err(|e| verbs_err("ibv_open_device")(e.into()))?;
         let attr = ctx
             .query_device()
             .map_err(|e| verbs_err("ibv_query_device_ex")(e.into()))?;
@@ -337,7 +339,8 @@ pub fn select_from(devices: &[Device], ip: IpAddr) -> Result<DeviceAddress> {
             }
         }
     }
-    best.map(|(_, a)| a).ok_or(Error::NoDeviceForAddress { addr: ip })
+    best.map(|(_, a)| a)
+        .ok_or(Error::NoDeviceForAddress { addr: ip })
 }
 
 fn canonical(ip: IpAddr) -> IpAddr {
@@ -408,7 +411,11 @@ mod tests {
         assert_eq!(a.gid_type, GidType::RoceV2);
         assert_eq!(a.gid, "::ffff:10.11.0.1".parse::<Ipv6Addr>().unwrap());
         // The IPv4-mapped IPv6 spelling selects the same GID.
-        let b = select_from(&[rxe(PortState::Active)], "::ffff:10.11.0.1".parse().unwrap()).unwrap();
+        let b = select_from(
+            &[rxe(PortState::Active)],
+            "::ffff:10.11.0.1".parse().unwrap(),
+        )
+        .unwrap();
         assert_eq!(a, b);
     }
 
@@ -442,6 +449,9 @@ mod tests {
             gid_to_ip("fe80::1".parse().unwrap()),
             "fe80::1".parse::<IpAddr>().unwrap()
         );
-        assert_eq!(rxe(PortState::Active).node_guid_string(), "0200:5eff:fe00:0001");
+        assert_eq!(
+            rxe(PortState::Active).node_guid_string(),
+            "0200:5eff:fe00:0001"
+        );
     }
 }

@@ -13,6 +13,10 @@
 //!
 //! Every `unsafe` block in this module carries a `SAFETY:` comment.
 
+pub(crate) mod cm;
 pub mod device;
+pub(crate) mod rc;
 
-pub use device::{Device, DeviceAddress, Gid, GidType, LinkLayer, Port, PortState, devices, select_device};
+pub use device::{
+    Device, DeviceAddress, Gid, GidType, LinkLayer, Port, PortState, devices, select_device,
+};

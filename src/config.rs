@@ -1,0 +1,151 @@
+//! Connection configuration shared by streams and listeners.
+
+use std::time::Duration;
+
+/// Per-connection settings. `Default` gives the values documented on each
+/// setter; pass a config with [`RdmaStream::connect_with`] or
+/// [`RdmaListener::bind_with`].
+///
+/// Registered memory per connection is `ring_size + send_buffer_size`
+/// (default 128 KiB + 64 KiB = 192 KiB, within the 256 KiB budget).
+///
+/// [`RdmaStream::connect_with`]: crate::RdmaStream::connect_with
+/// [`RdmaListener::bind_with`]: crate::RdmaListener::bind_with
+#[derive(Debug, Clone)]
+pub struct RdmaConfig {
+    pub(crate) ring_size: u32,
+    pub(crate) send_buffer_size: u32,
+    pub(crate) send_queue_depth: u16,
+    pub(crate) recv_queue_depth: u16,
+    pub(crate) inline_threshold: u32,
+    pub(crate) signal_interval: u16,
+    pub(crate) max_write_size: u32,
+    pub(crate) busy_poll: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) resolve_timeout: Duration,
+    pub(crate) recv_buffer_limit: usize,
+    pub(crate) device: Option<String>,
+    pub(crate) backlog: i32,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            ring_size: 128 * 1024,
+            send_buffer_size: 64 * 1024,
+            send_queue_depth: 128,
+            recv_queue_depth: 128,
+            inline_threshold: 64,
+            signal_interval: 16,
+            max_write_size: 64 * 1024,
+            busy_poll: Duration::ZERO,
+            connect_timeout: Duration::from_secs(10),
+            resolve_timeout: Duration::from_secs(2),
+            recv_buffer_limit: 8 * 1024 * 1024,
+            device: None,
+            backlog: 128,
+        }
+    }
+}
+
+impl RdmaConfig {
+    /// A config with the default values.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Bytes of the registered receive ring the peer writes into
+    /// (default 131072 = 128 KiB; 4096..=1 GiB).
+    pub fn ring_size(mut self, bytes: u32) -> Self {
+        self.ring_size = bytes;
+        self
+    }
+
+    /// Bytes of the registered send buffer writes are copied into before
+    /// they are posted (default 65536 = 64 KiB). It bounds how much
+    /// `poll_write` accepts ahead of the peer's credit, like `SO_SNDBUF`.
+    pub fn send_buffer_size(mut self, bytes: u32) -> Self {
+        self.send_buffer_size = bytes;
+        self
+    }
+
+    /// Send queue depth in work requests (default 128).
+    pub fn send_queue_depth(mut self, wrs: u16) -> Self {
+        self.send_queue_depth = wrs;
+        self
+    }
+
+    /// Receive WRs kept posted (default 128, at most 1023: the CREDIT
+    /// immediate carries 10 bits).
+    pub fn recv_queue_depth(mut self, wrs: u16) -> Self {
+        self.recv_queue_depth = wrs;
+        self
+    }
+
+    /// Writes of at most this many bytes are posted as inline data (copied
+    /// into the work request; default 64 bytes; 0 disables inline).
+    pub fn inline_threshold(mut self, bytes: u32) -> Self {
+        self.inline_threshold = bytes;
+        self
+    }
+
+    /// Selective signaling: at most this many unsignaled WRs between two
+    /// signaled ones (default 16).
+    pub fn signal_interval(mut self, wrs: u16) -> Self {
+        self.signal_interval = wrs;
+        self
+    }
+
+    /// Largest payload of one RDMA WRITE in bytes (default 65536).
+    pub fn max_write_size(mut self, bytes: u32) -> Self {
+        self.max_write_size = bytes;
+        self
+    }
+
+    /// Busy-poll budget: after the completion queue runs dry, keep polling
+    /// it for up to this long before arming the completion channel and
+    /// parking (default 0 = park at once). Trades CPU for latency.
+    pub fn busy_poll(mut self, budget: Duration) -> Self {
+        self.busy_poll = budget;
+        self
+    }
+
+    /// Overall limit for `connect` (address and route resolution plus the
+    /// handshake; default 10 s). Exceeding it fails with `TimedOut`.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Limit for each of rdma_cm's address and route resolution steps
+    /// (default 2 s).
+    pub fn resolve_timeout(mut self, timeout: Duration) -> Self {
+        self.resolve_timeout = timeout;
+        self
+    }
+
+    /// Bytes of received data held in process memory when the application
+    /// does not read (default 8 MiB). Incoming data is moved out of the ring
+    /// in the background up to this limit, so receive credit keeps flowing
+    /// while the application is busy writing (what h2 needs); past it the
+    /// ring fills and the peer's writes wait, like a full TCP window.
+    pub fn recv_buffer_limit(mut self, bytes: usize) -> Self {
+        self.recv_buffer_limit = bytes;
+        self
+    }
+
+    /// Use this RDMA device (for example `mlx5_0`) instead of the one the
+    /// route resolves to; the connection fails with
+    /// [`Error::DeviceNotFound`](crate::Error::DeviceNotFound) if it does not
+    /// match the device rdma_cm bound the address to.
+    pub fn device(mut self, name: impl Into<String>) -> Self {
+        self.device = Some(name.into());
+        self
+    }
+
+    /// Listen backlog passed to `rdma_listen` (default 128).
+    pub fn backlog(mut self, backlog: i32) -> Self {
+        self.backlog = backlog;
+        self
+    }
+}

@@ -1,0 +1,626 @@
+//! The connection handshake carried in rdma_cm private data.
+//!
+//! The client sends a [`Hello`] in the `CONNECT_REQUEST` private data and the
+//! server answers with its own [`Hello`] in the `ESTABLISHED`/accept private
+//! data. Each side learns where the other's receive ring lives (virtual
+//! address, rkey, length in bytes) and how many receive work requests (WRs)
+//! the other keeps posted. A server that refuses a request answers with
+//! [`encode_reject`] in the `rdma_reject` private data, which the client
+//! reads back with [`decode_reject`].
+//!
+//! # Wire layout of [`Hello`] (big-endian, [`HELLO_LEN`] = 32 bytes)
+//!
+//! | offset | size | field        | value                                              |
+//! |-------:|-----:|--------------|----------------------------------------------------|
+//! | 0      | 4    | magic        | [`MAGIC`] = `0x544B_5244` (`"TKRD"`)               |
+//! | 4      | 2    | version      | [`VERSION`] = 1                                    |
+//! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
+//! | 7      | 1    | flags        | 0 (ignored on receipt)                             |
+//! | 8      | 8    | ring_addr    | virtual address of the sender's receive ring       |
+//! | 16     | 4    | ring_rkey    | rkey of the memory region holding the ring         |
+//! | 20     | 4    | ring_len     | ring length in bytes, `1..=`[`MAX_RING_LEN`]       |
+//! | 24     | 2    | recv_depth   | receive WRs kept posted, [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`] |
+//! | 26     | 2    | reserved     | 0 (ignored on receipt)                             |
+//! | 28     | 4    | reserved     | 0 (ignored on receipt)                             |
+//!
+//! rdma_cm pads private data with zeros up to the transport's limit (56 bytes
+//! for a RoCE/IB `CONNECT_REQUEST`), so bytes after the first 32 are ignored.
+//!
+//! # Wire layout of a reject (big-endian, [`REJECT_LEN`] = 8 bytes)
+//!
+//! magic u32 | version u16 (the rejecting side's) | reason u8 ([`RejectReason`]) | reserved u8 (0).
+
+use std::fmt;
+
+/// `"TKRD"`: the first four bytes of every [`Hello`] and reject message.
+pub const MAGIC: u32 = 0x544B_5244;
+
+/// The protocol version this crate speaks (and the only one it accepts).
+pub const VERSION: u16 = 1;
+
+/// Length in bytes of an encoded [`Hello`].
+pub const HELLO_LEN: usize = 32;
+
+/// Length in bytes of an encoded reject message ([`encode_reject`]).
+pub const REJECT_LEN: usize = 8;
+
+/// Largest receive ring a peer may advertise: 1 GiB (2^30 bytes).
+///
+/// A DATA immediate carries at most 2^30 - 1 bytes, and ring offsets must fit
+/// in a `u32`; 1 GiB keeps every ring offset and length comfortably in range.
+pub const MAX_RING_LEN: u32 = 1 << 30;
+
+/// Smallest `recv_depth` a peer may advertise: 4 receive WRs.
+///
+/// Two receive WRs are held back for control messages
+/// ([`CONTROL_RESERVE`](crate::proto::stream::CONTROL_RESERVE)), data needs at
+/// least one more, and the credit-return threshold must be at least 2 for the
+/// credit exchange to terminate (see the deadlock argument in
+/// [`stream`](crate::proto::stream)); 4 is the smallest depth for which all
+/// of these hold.
+pub const MIN_RECV_DEPTH: u16 = 4;
+
+/// Largest `recv_depth` a peer may advertise: 1023 receive WRs, the most a
+/// single CREDIT immediate can return (10 bits).
+pub const MAX_RECV_DEPTH: u16 = 1023;
+
+/// What kind of endpoint sent a [`Hello`]. Both ends of a connection must be
+/// the same kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum EndpointKind {
+    /// A byte stream (`RdmaStream`), wire value 1.
+    ByteStream = 1,
+    /// A zero-copy message endpoint, wire value 2.
+    Message = 2,
+}
+
+impl EndpointKind {
+    /// The wire value (1 or 2).
+    pub fn to_u8(self) -> u8 {
+        self as u8
+    }
+
+    /// Parses a wire value; `None` for anything but 1 or 2.
+    pub fn from_u8(value: u8) -> Option<Self> {
+        match value {
+            1 => Some(EndpointKind::ByteStream),
+            2 => Some(EndpointKind::Message),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for EndpointKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EndpointKind::ByteStream => f.write_str("byte stream"),
+            EndpointKind::Message => f.write_str("message endpoint"),
+        }
+    }
+}
+
+/// One side's half of the handshake: where its receive ring is and how many
+/// receive WRs it keeps posted.
+///
+/// Encoded with [`Hello::encode`] into exactly [`HELLO_LEN`] (32) bytes, and
+/// decoded (with validation) by [`Hello::decode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Hello {
+    /// The kind of endpoint (byte stream or message endpoint).
+    pub kind: EndpointKind,
+    /// Virtual address of the sender's registered receive ring (the address
+    /// the peer uses in its RDMA WRITEs).
+    pub ring_addr: u64,
+    /// rkey of the memory region that holds the ring.
+    pub ring_rkey: u32,
+    /// Length of the ring in bytes, `1..=`[`MAX_RING_LEN`].
+    pub ring_len: u32,
+    /// Number of receive WRs the sender keeps posted,
+    /// [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`].
+    pub recv_depth: u16,
+}
+
+impl Hello {
+    /// Encodes into the 32-byte big-endian layout described in the
+    /// [module docs](self). Does not validate: a `Hello` with a zero
+    /// `ring_len` encodes fine and is rejected by the peer's
+    /// [`decode`](Hello::decode).
+    pub fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut out = [0u8; HELLO_LEN];
+        out[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+        out[4..6].copy_from_slice(&VERSION.to_be_bytes());
+        out[6] = self.kind.to_u8();
+        out[7] = 0; // flags
+        out[8..16].copy_from_slice(&self.ring_addr.to_be_bytes());
+        out[16..20].copy_from_slice(&self.ring_rkey.to_be_bytes());
+        out[20..24].copy_from_slice(&self.ring_len.to_be_bytes());
+        out[24..26].copy_from_slice(&self.recv_depth.to_be_bytes());
+        // 26..32 reserved, zero.
+        out
+    }
+
+    /// Decodes and validates a `Hello` from rdma_cm private data.
+    ///
+    /// `bytes` must hold at least [`HELLO_LEN`] bytes; anything after them
+    /// (rdma_cm's zero padding) is ignored, as are the flags and reserved
+    /// fields.
+    ///
+    /// # Errors
+    ///
+    /// Checked in this order:
+    /// - [`HandshakeError::Truncated`] if `bytes.len() < 32`;
+    /// - [`HandshakeError::BadMagic`] if the first four bytes are not [`MAGIC`];
+    /// - [`HandshakeError::UnsupportedVersion`] if the version is not [`VERSION`];
+    /// - [`HandshakeError::UnknownKind`] if the kind byte is not 1 or 2;
+    /// - [`HandshakeError::InvalidRing`] if `ring_len` is 0 or above
+    ///   [`MAX_RING_LEN`], or `recv_depth` is outside
+    ///   [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`].
+    ///
+    /// Whether the kind is the one the receiver expects is checked separately
+    /// by [`Hello::expect_kind`].
+    pub fn decode(bytes: &[u8]) -> Result<Hello, HandshakeError> {
+        let Some(b) = bytes.first_chunk::<HELLO_LEN>() else {
+            return Err(HandshakeError::Truncated { len: bytes.len() });
+        };
+        let magic = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+        if magic != MAGIC {
+            return Err(HandshakeError::BadMagic { found: magic });
+        }
+        let version = u16::from_be_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(HandshakeError::UnsupportedVersion {
+                found: version,
+                supported: VERSION,
+            });
+        }
+        let kind =
+            EndpointKind::from_u8(b[6]).ok_or(HandshakeError::UnknownKind { found: b[6] })?;
+        let ring_addr = u64::from_be_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
+        let ring_rkey = u32::from_be_bytes([b[16], b[17], b[18], b[19]]);
+        let ring_len = u32::from_be_bytes([b[20], b[21], b[22], b[23]]);
+        let recv_depth = u16::from_be_bytes([b[24], b[25]]);
+        if ring_len == 0 {
+            return Err(HandshakeError::InvalidRing {
+                reason: "ring_len is 0",
+            });
+        }
+        if ring_len > MAX_RING_LEN {
+            return Err(HandshakeError::InvalidRing {
+                reason: "ring_len is larger than 1 GiB",
+            });
+        }
+        if recv_depth < MIN_RECV_DEPTH {
+            return Err(HandshakeError::InvalidRing {
+                reason: "recv_depth is below 4",
+            });
+        }
+        if recv_depth > MAX_RECV_DEPTH {
+            return Err(HandshakeError::InvalidRing {
+                reason: "recv_depth is above 1023",
+            });
+        }
+        Ok(Hello {
+            kind,
+            ring_addr,
+            ring_rkey,
+            ring_len,
+            recv_depth,
+        })
+    }
+
+    /// Returns `self` if its kind is `expected`.
+    ///
+    /// # Errors
+    ///
+    /// [`HandshakeError::WrongKind`] if a byte stream met a message endpoint
+    /// or the other way round.
+    pub fn expect_kind(self, expected: EndpointKind) -> Result<Hello, HandshakeError> {
+        if self.kind == expected {
+            Ok(self)
+        } else {
+            Err(HandshakeError::WrongKind {
+                expected,
+                found: self.kind,
+            })
+        }
+    }
+}
+
+/// Why a [`Hello`] could not be accepted.
+///
+/// Each variant maps onto the [`RejectReason`] a server sends back
+/// ([`HandshakeError::reject_reason`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeError {
+    /// The private data held fewer than [`HELLO_LEN`] (32) bytes.
+    #[error("handshake truncated: {len} bytes of private data, need {HELLO_LEN}")]
+    Truncated {
+        /// Number of bytes received.
+        len: usize,
+    },
+    /// The first four bytes were not [`MAGIC`]: the peer is not tokio-rdma.
+    #[error(
+        "handshake has bad magic {found:#010x}, expected {MAGIC:#010x} (\"TKRD\"): peer is not tokio-rdma"
+    )]
+    BadMagic {
+        /// The four bytes found, as a big-endian `u32`.
+        found: u32,
+    },
+    /// The peer speaks a protocol version this crate does not.
+    #[error("peer speaks tokio-rdma protocol version {found}, this side supports {supported}")]
+    UnsupportedVersion {
+        /// The peer's version.
+        found: u16,
+        /// The version this side speaks ([`VERSION`]).
+        supported: u16,
+    },
+    /// The kind byte is neither 1 (byte stream) nor 2 (message endpoint).
+    #[error("handshake has unknown endpoint kind {found}")]
+    UnknownKind {
+        /// The kind byte found.
+        found: u8,
+    },
+    /// The peer is a valid endpoint of the other kind (for example a message
+    /// endpoint dialled a byte-stream listener).
+    #[error("peer is a {found}, this side is a {expected}")]
+    WrongKind {
+        /// The kind this side is.
+        expected: EndpointKind,
+        /// The kind the peer announced.
+        found: EndpointKind,
+    },
+    /// The advertised ring length or receive depth is out of range.
+    #[error("handshake advertises an invalid receive ring: {reason}")]
+    InvalidRing {
+        /// Which limit was violated.
+        reason: &'static str,
+    },
+}
+
+impl HandshakeError {
+    /// The reason a server puts in its reject message for this error:
+    /// `Truncated` and `InvalidRing` → [`RejectReason::Malformed`],
+    /// `BadMagic` → [`RejectReason::BadMagic`], `UnsupportedVersion` →
+    /// [`RejectReason::UnsupportedVersion`], `UnknownKind` and `WrongKind` →
+    /// [`RejectReason::WrongKind`].
+    pub fn reject_reason(&self) -> RejectReason {
+        match self {
+            HandshakeError::Truncated { .. } | HandshakeError::InvalidRing { .. } => {
+                RejectReason::Malformed
+            }
+            HandshakeError::BadMagic { .. } => RejectReason::BadMagic,
+            HandshakeError::UnsupportedVersion { .. } => RejectReason::UnsupportedVersion,
+            HandshakeError::UnknownKind { .. } | HandshakeError::WrongKind { .. } => {
+                RejectReason::WrongKind
+            }
+        }
+    }
+}
+
+impl From<&HandshakeError> for RejectReason {
+    fn from(err: &HandshakeError) -> Self {
+        err.reject_reason()
+    }
+}
+
+/// Why a server rejected a connection request; carried in the
+/// `rdma_reject` private data ([`encode_reject`], [`decode_reject`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RejectReason {
+    /// The request's magic was wrong (wire code 1).
+    BadMagic,
+    /// The request's protocol version is not supported (wire code 2); the
+    /// reject carries the server's version.
+    UnsupportedVersion,
+    /// The request was truncated or advertised an invalid ring (wire code 3).
+    Malformed,
+    /// The request came from the other kind of endpoint (wire code 4).
+    WrongKind,
+    /// The server could not allocate the connection's resources: ring,
+    /// queue pair, memory registration (wire code 5).
+    ServerResources,
+    /// A code this version does not know, from a newer peer.
+    Unknown(u8),
+}
+
+impl RejectReason {
+    /// The wire code (1..=5, or the unknown code itself).
+    pub fn code(self) -> u8 {
+        match self {
+            RejectReason::BadMagic => 1,
+            RejectReason::UnsupportedVersion => 2,
+            RejectReason::Malformed => 3,
+            RejectReason::WrongKind => 4,
+            RejectReason::ServerResources => 5,
+            RejectReason::Unknown(code) => code,
+        }
+    }
+
+    /// Parses a wire code; codes other than 1..=5 become
+    /// [`RejectReason::Unknown`].
+    pub fn from_code(code: u8) -> RejectReason {
+        match code {
+            1 => RejectReason::BadMagic,
+            2 => RejectReason::UnsupportedVersion,
+            3 => RejectReason::Malformed,
+            4 => RejectReason::WrongKind,
+            5 => RejectReason::ServerResources,
+            other => RejectReason::Unknown(other),
+        }
+    }
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RejectReason::BadMagic => f.write_str("bad magic (not a tokio-rdma request)"),
+            RejectReason::UnsupportedVersion => f.write_str("unsupported protocol version"),
+            RejectReason::Malformed => f.write_str("malformed or truncated handshake"),
+            RejectReason::WrongKind => f.write_str("wrong endpoint kind"),
+            RejectReason::ServerResources => f.write_str("server out of resources"),
+            RejectReason::Unknown(code) => write!(f, "unknown reason code {code}"),
+        }
+    }
+}
+
+/// Encodes a reject message: [`MAGIC`] u32 | [`VERSION`] u16 | reason code u8
+/// | 0 u8, big-endian, [`REJECT_LEN`] (8) bytes.
+pub fn encode_reject(reason: RejectReason) -> [u8; REJECT_LEN] {
+    let mut out = [0u8; REJECT_LEN];
+    out[0..4].copy_from_slice(&MAGIC.to_be_bytes());
+    out[4..6].copy_from_slice(&VERSION.to_be_bytes());
+    out[6] = reason.code();
+    out
+}
+
+/// Decodes the private data of an rdma_cm `REJECTED` event.
+///
+/// Returns the rejecting side's protocol version and its reason, or `None`
+/// if the data is shorter than [`REJECT_LEN`] bytes or does not start with
+/// [`MAGIC`] (a reject from the IB CM itself or from a non-tokio-rdma
+/// server, for example "no listener on that port"). Trailing bytes are
+/// ignored.
+pub fn decode_reject(bytes: &[u8]) -> Option<(u16, RejectReason)> {
+    let b = bytes.first_chunk::<REJECT_LEN>()?;
+    if u32::from_be_bytes([b[0], b[1], b[2], b[3]]) != MAGIC {
+        return None;
+    }
+    let version = u16::from_be_bytes([b[4], b[5]]);
+    Some((version, RejectReason::from_code(b[6])))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Hello {
+        Hello {
+            kind: EndpointKind::ByteStream,
+            ring_addr: 0x0102_0304_0506_0708,
+            ring_rkey: 0x1122_3344,
+            ring_len: 4099,
+            recv_depth: 64,
+        }
+    }
+
+    #[test]
+    fn hello_encodes_exact_bytes() {
+        let bytes = sample().encode();
+        assert_eq!(
+            bytes,
+            [
+                0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
+                0x00, 0x01, // version
+                0x01, // kind
+                0x00, // flags
+                0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
+                0x11, 0x22, 0x33, 0x44, // rkey
+                0x00, 0x00, 0x10, 0x03, // ring_len 4099
+                0x00, 0x40, // recv_depth 64
+                0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // reserved
+            ]
+        );
+        assert_eq!(&bytes[0..4], b"TKRD");
+    }
+
+    #[test]
+    fn hello_round_trips_both_kinds_and_limits() {
+        for kind in [EndpointKind::ByteStream, EndpointKind::Message] {
+            for (ring_len, recv_depth) in [
+                (1, MIN_RECV_DEPTH),
+                (MAX_RING_LEN, MAX_RECV_DEPTH),
+                (4099, 7),
+            ] {
+                let hello = Hello {
+                    kind,
+                    ring_len,
+                    recv_depth,
+                    ..sample()
+                };
+                assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
+            }
+        }
+    }
+
+    #[test]
+    fn hello_ignores_padding_flags_and_reserved() {
+        let mut padded = [0u8; 56];
+        padded[..HELLO_LEN].copy_from_slice(&sample().encode());
+        padded[7] = 0xFF; // flags
+        padded[26..32].copy_from_slice(&[9, 9, 9, 9, 9, 9]); // reserved
+        padded[40] = 0xAB; // trailing garbage after the hello
+        assert_eq!(Hello::decode(&padded), Ok(sample()));
+    }
+
+    #[test]
+    fn hello_truncated() {
+        let bytes = sample().encode();
+        assert_eq!(
+            Hello::decode(&bytes[..31]),
+            Err(HandshakeError::Truncated { len: 31 })
+        );
+        assert_eq!(
+            Hello::decode(&[]),
+            Err(HandshakeError::Truncated { len: 0 })
+        );
+    }
+
+    #[test]
+    fn hello_bad_magic() {
+        let mut bytes = sample().encode();
+        bytes[0..4].copy_from_slice(b"HTTP");
+        assert_eq!(
+            Hello::decode(&bytes),
+            Err(HandshakeError::BadMagic { found: 0x4854_5450 })
+        );
+    }
+
+    #[test]
+    fn hello_unsupported_version() {
+        let mut bytes = sample().encode();
+        bytes[4..6].copy_from_slice(&2u16.to_be_bytes());
+        assert_eq!(
+            Hello::decode(&bytes),
+            Err(HandshakeError::UnsupportedVersion {
+                found: 2,
+                supported: 1
+            })
+        );
+        bytes[4..6].copy_from_slice(&0u16.to_be_bytes());
+        assert_eq!(
+            Hello::decode(&bytes),
+            Err(HandshakeError::UnsupportedVersion {
+                found: 0,
+                supported: 1
+            })
+        );
+    }
+
+    #[test]
+    fn hello_unknown_and_wrong_kind() {
+        for bad in [0u8, 3, 0xFF] {
+            let mut bytes = sample().encode();
+            bytes[6] = bad;
+            assert_eq!(
+                Hello::decode(&bytes),
+                Err(HandshakeError::UnknownKind { found: bad })
+            );
+        }
+        let message = Hello {
+            kind: EndpointKind::Message,
+            ..sample()
+        };
+        let decoded = Hello::decode(&message.encode()).unwrap();
+        assert_eq!(
+            decoded.expect_kind(EndpointKind::ByteStream),
+            Err(HandshakeError::WrongKind {
+                expected: EndpointKind::ByteStream,
+                found: EndpointKind::Message
+            })
+        );
+        assert_eq!(decoded.expect_kind(EndpointKind::Message), Ok(message));
+    }
+
+    #[test]
+    fn hello_invalid_ring() {
+        let cases: [(u32, u16, &str); 5] = [
+            (0, 64, "ring_len is 0"),
+            (MAX_RING_LEN + 1, 64, "ring_len is larger than 1 GiB"),
+            (4096, 0, "recv_depth is below 4"),
+            (4096, 3, "recv_depth is below 4"),
+            (4096, 1024, "recv_depth is above 1023"),
+        ];
+        for (ring_len, recv_depth, reason) in cases {
+            let hello = Hello {
+                ring_len,
+                recv_depth,
+                ..sample()
+            };
+            assert_eq!(
+                Hello::decode(&hello.encode()),
+                Err(HandshakeError::InvalidRing { reason }),
+                "ring_len {ring_len} recv_depth {recv_depth}"
+            );
+        }
+    }
+
+    #[test]
+    fn handshake_errors_map_to_reject_reasons() {
+        let cases = [
+            (
+                HandshakeError::Truncated { len: 3 },
+                RejectReason::Malformed,
+            ),
+            (
+                HandshakeError::BadMagic { found: 0 },
+                RejectReason::BadMagic,
+            ),
+            (
+                HandshakeError::UnsupportedVersion {
+                    found: 9,
+                    supported: 1,
+                },
+                RejectReason::UnsupportedVersion,
+            ),
+            (
+                HandshakeError::UnknownKind { found: 7 },
+                RejectReason::WrongKind,
+            ),
+            (
+                HandshakeError::WrongKind {
+                    expected: EndpointKind::ByteStream,
+                    found: EndpointKind::Message,
+                },
+                RejectReason::WrongKind,
+            ),
+            (
+                HandshakeError::InvalidRing { reason: "x" },
+                RejectReason::Malformed,
+            ),
+        ];
+        for (err, reason) in cases {
+            assert_eq!(err.reject_reason(), reason, "{err}");
+            assert_eq!(RejectReason::from(&err), reason);
+        }
+    }
+
+    #[test]
+    fn reject_round_trip_and_exact_bytes() {
+        assert_eq!(
+            encode_reject(RejectReason::UnsupportedVersion),
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x01, 0x02, 0x00]
+        );
+        for code in 0..=u8::MAX {
+            let reason = RejectReason::from_code(code);
+            assert_eq!(reason.code(), code);
+            assert_eq!(
+                decode_reject(&encode_reject(reason)),
+                Some((VERSION, reason))
+            );
+        }
+        assert_eq!(RejectReason::from_code(5), RejectReason::ServerResources);
+        assert_eq!(RejectReason::from_code(6), RejectReason::Unknown(6));
+        // A newer server's version is reported as-is.
+        let mut newer = encode_reject(RejectReason::UnsupportedVersion).to_vec();
+        newer[4..6].copy_from_slice(&3u16.to_be_bytes());
+        newer.extend_from_slice(&[0; 48]); // rdma_cm padding
+        assert_eq!(
+            decode_reject(&newer),
+            Some((3, RejectReason::UnsupportedVersion))
+        );
+    }
+
+    #[test]
+    fn reject_not_ours() {
+        assert_eq!(decode_reject(&[]), None);
+        assert_eq!(
+            decode_reject(&encode_reject(RejectReason::BadMagic)[..7]),
+            None
+        );
+        assert_eq!(decode_reject(&[0u8; 56]), None);
+        assert_eq!(decode_reject(b"HTTP/1.1 400"), None);
+    }
+}

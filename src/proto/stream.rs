@@ -1,0 +1,956 @@
+//! The byte-stream state machine: ring cursors, credits, selective
+//! signaling, half-close and abort.
+//!
+//! [`StreamCore`] does offset and credit arithmetic only; the runtime owns
+//! the memory, posts the work requests (WRs) it is told to, and feeds back
+//! completions. Three regions are involved:
+//!
+//! - the **send buffer** (`send_buf_len` bytes, registered, local), used as a
+//!   ring: the application's bytes are copied in at the places
+//!   [`StreamCore::accept_write`] names, then posted from there;
+//! - the **local receive ring** (`ring_len` bytes, advertised in our
+//!   [`Hello`](crate::proto::handshake::Hello)) that the peer writes into;
+//! - the **peer receive ring** (`peer_ring_len` bytes, from the peer's
+//!   `Hello`) that we write into.
+//!
+//! # Messages and credits
+//!
+//! Every message is one RDMA WRITE WITH IMMEDIATE (see
+//! [`imm`](crate::proto::imm)) and consumes exactly one receive WR at the
+//! peer, which the peer's runtime reposts at once. Two credits limit a
+//! sender:
+//!
+//! - **byte credit**: ring bytes the peer's reader has consumed and returned.
+//!   The sender's view is `peer_ring_len - written + returned`; DATA never
+//!   exceeds it, so unread bytes are never overwritten.
+//! - **WR credit**: receive WRs the peer has returned. The sender's view is
+//!   `peer_recv_depth - sent + returned`. DATA may only use credit above
+//!   [`CONTROL_RESERVE`] (2); FIN needs at least 2; a CREDIT may use the
+//!   last one only if it returns at least one WR; ABORT needs 1.
+//!
+//! The receiver returns credit in CREDIT messages when its unreturned
+//! consumed bytes reach `T_b = max(1, min(ring_len / 4, 2^20 - 1))` or its
+//! unreturned receive WRs reach `T_w = max(2, recv_depth / 4)`. Credits are
+//! returned from [`StreamCore::on_recv`] (WRs) and [`StreamCore::consume`]
+//! (bytes) alone, so WR credit flows even while the application does not
+//! read.
+//!
+//! # Why this cannot deadlock
+//!
+//! Call a state *quiescent* when no message is in flight and every
+//! signaled WR has completed. Let `c_X` be X's WR credit at its peer Y and
+//! `u_Y` the WRs Y has received from X and not returned. In a quiescent
+//! state `c_X + u_Y = depth_Y` (depth_Y is Y's `recv_depth`, at least
+//! [`MIN_RECV_DEPTH`] = 4).
+//!
+//! 1. *Not both WR credits are zero.* A message that takes a credit from 1 to
+//!    0 is a CREDIT returning at least one WR (or a terminal ABORT). Take the
+//!    last such messages `a` (from A) and `b` (from B), `a` sent first. If
+//!    `a` reached B before `b` was sent, `b` returns `a`'s WR, so A's credit
+//!    is at least 1 afterwards and A never spends it to 0 again (`a` was its
+//!    last such message). Otherwise `b` was sent before `a` arrived, and `a`
+//!    gives B at least 1 credit that B never spends to 0 again.
+//! 2. *A sender blocked on WR credit gets it.* A blocks data when
+//!    `c_A <= 2`, so `u_B >= depth_B - 2 >= T_w(depth_B)` (true for every
+//!    depth >= 4), and B wants to send a CREDIT. (FIN blocks at
+//!    `c_A <= 1`, a stronger condition.) B can send it unless `c_B = 0`, or
+//!    `c_B = 1` and `u_B = 0`; the latter contradicts `u_B >= 2`. If
+//!    `c_B = 0` then `u_A = depth_A >= T_w` so A wants to send a CREDIT, and
+//!    by 1. `c_A >= 1` with `u_A >= 1`, so A can; that gives B credit and
+//!    B's CREDIT follows.
+//! 3. *A sender blocked on byte credit gets it once the reader has read.*
+//!    `c_bytes_A = 0` means B's ring holds `ring_len_B` bytes that are
+//!    unread or unreturned. Once B's reader has consumed everything, B's
+//!    unreturned bytes are `ring_len_B >= T_b`, so B wants to send a CREDIT
+//!    and can by the same reasoning as 2. A reader that does not read
+//!    stalls its peer: that is flow control, not deadlock.
+//! 4. *Credits do not ping-pong forever.* A CREDIT sent because of WRs
+//!    returns at least `T_w >= 2` WRs, so each side sends at most one such
+//!    CREDIT per two messages it receives; with data finite the exchange
+//!    dies out geometrically. (With `T_w = 1`, two idle peers would bounce
+//!    CREDITs forever; hence the minimum of 2 and the minimum depth of 4.)
+//! 5. *Send-queue slots come back.* A WR is signaled when it is the last one
+//!    [`StreamCore::poll_transmit`] can produce now, so whenever
+//!    `poll_transmit` returns `None` the newest posted WR is signaled and
+//!    its completion frees every slot and send-buffer byte before it.
+//!
+//! The tests in `src/proto/tests.rs` check this exhaustively on small
+//! configurations and on many random schedules.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use crate::proto::error::{ProtocolError, WriteError};
+use crate::proto::handshake::{MAX_RECV_DEPTH, MAX_RING_LEN, MIN_RECV_DEPTH};
+use crate::proto::imm::{Imm, MAX_CREDIT_BYTES, MAX_CREDIT_WRS, MAX_DATA_LEN};
+
+/// Receive-WR credits at the peer that data may not use: 2. They are kept
+/// for control messages (CREDIT, FIN), so credit can always flow back.
+pub const CONTROL_RESERVE: u16 = 2;
+
+/// ABORT code used for aborts requested by the application. Codes 1..=10
+/// are protocol errors ([`ProtocolError::abort_code`]).
+pub const ABORT_CODE_APPLICATION: u32 = 0;
+
+/// Configuration of one byte stream, validated by [`StreamCore::new`].
+///
+/// `ring_len`/`recv_depth` are what this side advertised in its `Hello`;
+/// `peer_ring_len`/`peer_recv_depth` come from the peer's `Hello`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StreamParams {
+    /// Length of the local registered send buffer in bytes,
+    /// `1..=`[`MAX_RING_LEN`] (1 GiB).
+    pub send_buf_len: u32,
+    /// Length of the local receive ring in bytes, `1..=`[`MAX_RING_LEN`].
+    pub ring_len: u32,
+    /// Receive WRs this side keeps posted,
+    /// [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`] (4..=1023).
+    pub recv_depth: u16,
+    /// Length of the peer's receive ring in bytes, `1..=`[`MAX_RING_LEN`].
+    pub peer_ring_len: u32,
+    /// Receive WRs the peer keeps posted, [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`].
+    pub peer_recv_depth: u16,
+    /// Send-queue slots available to this stream; at most this many WRs are
+    /// posted and not yet completed. At least 1.
+    pub send_queue_depth: u16,
+    /// Data WRs of at most this many bytes are posted inline
+    /// (`IBV_SEND_INLINE`). 0 disables inline data.
+    pub inline_threshold: u32,
+    /// Every `signal_interval`-th WR is signaled (1 signals every WR). At
+    /// least 1. Independently of it, the last WR of a burst and every FIN
+    /// and ABORT are signaled.
+    pub signal_interval: u16,
+    /// Largest payload of one data WR in bytes (for example 1 MiB),
+    /// `1..=`[`MAX_DATA_LEN`].
+    pub max_write_len: u32,
+}
+
+/// A work request the runtime must post next, from
+/// [`StreamCore::poll_transmit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Transmit {
+    /// The WR id to post with; ids count up by one per transmit, starting
+    /// at 1.
+    pub wr_id: u64,
+    /// What to post.
+    pub kind: TransmitKind,
+    /// Post with `IBV_SEND_SIGNALED`; unsignaled WRs produce no completion.
+    pub signaled: bool,
+}
+
+/// The shape of a [`Transmit`]. Both kinds are an RDMA WRITE WITH IMMEDIATE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransmitKind {
+    /// Write `len` bytes from `send_buf[local_offset..local_offset + len]`
+    /// to `peer_ring[remote_offset..remote_offset + len]`. Neither range
+    /// wraps; `1 <= len <= max_write_len`.
+    Data {
+        /// Offset in the local send buffer, bytes.
+        local_offset: u32,
+        /// Payload length, bytes.
+        len: u32,
+        /// Offset in the peer's receive ring, bytes.
+        remote_offset: u32,
+        /// Immediate data (host order): an encoded [`Imm::Data`].
+        imm: u32,
+        /// Post with `IBV_SEND_INLINE` (`len <= inline_threshold`).
+        inline: bool,
+    },
+    /// A zero-length write carrying only `imm`: an encoded [`Imm::Credit`],
+    /// [`Imm::Fin`] or [`Imm::Abort`].
+    Control {
+        /// Immediate data (host order).
+        imm: u32,
+    },
+}
+
+impl TransmitKind {
+    /// The immediate data to post (host order).
+    pub fn imm(&self) -> u32 {
+        match *self {
+            TransmitKind::Data { imm, .. } | TransmitKind::Control { imm } => imm,
+        }
+    }
+}
+
+/// What one receive completion meant, from [`StreamCore::on_recv`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecvEvent {
+    /// `len` new bytes lie at `ring[offset..offset + len]` of the local
+    /// receive ring (never wrapping), right after the previous data.
+    Data {
+        /// Ring offset, bytes.
+        offset: u32,
+        /// Length, bytes (at least 1).
+        len: u32,
+    },
+    /// The peer returned `wrs` receive WRs and `bytes` ring bytes of credit;
+    /// writes blocked on credit may proceed.
+    Credit {
+        /// Receive WRs returned.
+        wrs: u16,
+        /// Ring bytes returned.
+        bytes: u32,
+    },
+    /// The peer half-closed: after the bytes already received, reads reach
+    /// end-of-file.
+    Fin,
+    /// The peer aborted the connection with `code`; writes now fail with
+    /// [`WriteError::Reset`].
+    Abort {
+        /// The peer's abort code.
+        code: u32,
+    },
+}
+
+/// Counters of one stream, from [`StreamCore::stats`]. All start at 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct StreamStats {
+    /// Payload bytes posted in data WRs.
+    pub bytes_sent: u64,
+    /// Payload bytes received in DATA messages.
+    pub bytes_received: u64,
+    /// WRs handed out by `poll_transmit` (data and control).
+    pub wrs_posted: u64,
+    /// Data WRs among them.
+    pub data_wrs: u64,
+    /// Signaled WRs among them.
+    pub signaled: u64,
+    /// Inline data WRs among them.
+    pub inline: u64,
+    /// Control messages sent (CREDIT, FIN, ABORT).
+    pub control_sent: u64,
+    /// CREDIT messages among them.
+    pub credits_sent: u64,
+    /// Control messages received (CREDIT, FIN, ABORT).
+    pub control_received: u64,
+    /// Times the sender became blocked on peer credit: `poll_transmit` found
+    /// buffered data but no byte credit or no WR credit above the reserve,
+    /// counted once per blocked period.
+    pub credit_stalls: u64,
+    /// Times the sender became blocked on a full send queue, counted once per
+    /// blocked period.
+    pub send_queue_stalls: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Outstanding {
+    wr_id: u64,
+    /// Send-buffer bytes this WR holds (0 for control messages).
+    buf_bytes: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct LocalAbort {
+    code: u32,
+    sent: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Abort(u32),
+    Credit { wrs: u16, bytes: u32 },
+    Data { len: u32 },
+    Fin,
+}
+
+/// The sans-IO state machine of one byte stream.
+///
+/// Driven by the runtime: copy application bytes in ([`write_capacity`],
+/// [`accept_write`]), post what [`poll_transmit`] returns until it returns
+/// `None`, report signaled send completions ([`on_send_complete`]) and every
+/// receive completion ([`on_recv`]), and report bytes the reader copied out of
+/// the ring ([`consume`]). After any of these calls, call `poll_transmit`
+/// again. See the [module docs](self) for the protocol and the deadlock
+/// argument.
+///
+/// [`write_capacity`]: StreamCore::write_capacity
+/// [`accept_write`]: StreamCore::accept_write
+/// [`poll_transmit`]: StreamCore::poll_transmit
+/// [`on_send_complete`]: StreamCore::on_send_complete
+/// [`on_recv`]: StreamCore::on_recv
+/// [`consume`]: StreamCore::consume
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StreamCore {
+    p: StreamParams,
+    credit_bytes_threshold: u32,
+    credit_wrs_threshold: u16,
+
+    // Send buffer (ring of p.send_buf_len bytes).
+    /// Where `accept_write` copies next.
+    sb_write_pos: u32,
+    /// Where the next data WR reads from.
+    sb_post_pos: u32,
+    /// Bytes buffered and not yet posted.
+    sb_unposted: u32,
+    /// Bytes posted and not yet completed.
+    sb_inflight: u32,
+
+    // Peer ring and credits.
+    /// Where the next data WR writes in the peer ring.
+    remote_pos: u32,
+    /// Ring bytes we may still write at the peer.
+    peer_bytes_credit: u32,
+    /// Receive WRs we may still consume at the peer.
+    peer_wr_credit: u16,
+
+    // Posted WRs.
+    next_wr_id: u64,
+    /// Posted and not completed, oldest first; ids are consecutive.
+    outstanding: VecDeque<Outstanding>,
+    /// Unsignaled WRs posted since the last signaled one.
+    unsignaled_run: u16,
+
+    // Write-side lifecycle.
+    fin_requested: bool,
+    fin_sent: bool,
+    local_abort: Option<LocalAbort>,
+    credit_stalled: bool,
+    sq_stalled: bool,
+
+    // Receive side (local ring of p.ring_len bytes).
+    /// Ring offset where the next DATA lands.
+    recv_tail: u32,
+    /// Ring offset of the oldest unconsumed byte.
+    read_pos: u32,
+    /// Bytes received and not consumed.
+    unconsumed: u32,
+    /// Bytes consumed and not yet returned to the peer.
+    bytes_to_return: u32,
+    /// Receive WRs consumed and not yet returned to the peer.
+    wrs_to_return: u16,
+    fin_received: bool,
+    peer_abort: Option<u32>,
+    lost: bool,
+
+    stats: StreamStats,
+}
+
+fn check(
+    name: &'static str,
+    value: u64,
+    range: Range<u64>,
+    allowed: &'static str,
+) -> Result<(), ProtocolError> {
+    if range.contains(&value) {
+        Ok(())
+    } else {
+        Err(ProtocolError::InvalidParams {
+            name,
+            value,
+            allowed,
+        })
+    }
+}
+
+fn ranges(start: u32, len: u32, ring: u32) -> [Range<usize>; 2] {
+    let start = start as usize;
+    let len = len as usize;
+    let ring = ring as usize;
+    let first = len.min(ring - start);
+    [start..start + first, 0..len - first]
+}
+
+impl StreamCore {
+    /// Creates the state machine of a freshly connected stream: empty
+    /// buffers, full credit (`peer_ring_len` bytes, `peer_recv_depth` WRs).
+    ///
+    /// # Errors
+    ///
+    /// [`ProtocolError::InvalidParams`] naming the first field out of range
+    /// (see [`StreamParams`]).
+    pub fn new(params: StreamParams) -> Result<StreamCore, ProtocolError> {
+        let ring = 1..u64::from(MAX_RING_LEN) + 1;
+        let depth = u64::from(MIN_RECV_DEPTH)..u64::from(MAX_RECV_DEPTH) + 1;
+        check(
+            "send_buf_len",
+            params.send_buf_len.into(),
+            ring.clone(),
+            "1..=2^30 bytes",
+        )?;
+        check(
+            "ring_len",
+            params.ring_len.into(),
+            ring.clone(),
+            "1..=2^30 bytes",
+        )?;
+        check(
+            "recv_depth",
+            params.recv_depth.into(),
+            depth.clone(),
+            "4..=1023",
+        )?;
+        check(
+            "peer_ring_len",
+            params.peer_ring_len.into(),
+            ring,
+            "1..=2^30 bytes",
+        )?;
+        check(
+            "peer_recv_depth",
+            params.peer_recv_depth.into(),
+            depth,
+            "4..=1023",
+        )?;
+        check(
+            "send_queue_depth",
+            params.send_queue_depth.into(),
+            1..1 << 16,
+            "at least 1",
+        )?;
+        check(
+            "signal_interval",
+            params.signal_interval.into(),
+            1..1 << 16,
+            "at least 1",
+        )?;
+        check(
+            "max_write_len",
+            params.max_write_len.into(),
+            1..u64::from(MAX_DATA_LEN) + 1,
+            "1..=2^30-1 bytes",
+        )?;
+        Ok(StreamCore {
+            p: params,
+            credit_bytes_threshold: (params.ring_len / 4).clamp(1, MAX_CREDIT_BYTES),
+            credit_wrs_threshold: (params.recv_depth / 4).max(2),
+            sb_write_pos: 0,
+            sb_post_pos: 0,
+            sb_unposted: 0,
+            sb_inflight: 0,
+            remote_pos: 0,
+            peer_bytes_credit: params.peer_ring_len,
+            peer_wr_credit: params.peer_recv_depth,
+            next_wr_id: 1,
+            outstanding: VecDeque::new(),
+            unsignaled_run: 0,
+            fin_requested: false,
+            fin_sent: false,
+            local_abort: None,
+            credit_stalled: false,
+            sq_stalled: false,
+            recv_tail: 0,
+            read_pos: 0,
+            unconsumed: 0,
+            bytes_to_return: 0,
+            wrs_to_return: 0,
+            fin_received: false,
+            peer_abort: None,
+            lost: false,
+            stats: StreamStats::default(),
+        })
+    }
+
+    /// The parameters this core was created with.
+    pub fn params(&self) -> &StreamParams {
+        &self.p
+    }
+
+    // ----- send side -------------------------------------------------------
+
+    fn write_state(&self) -> Result<(), WriteError> {
+        if self.local_abort.is_some() {
+            Err(WriteError::Aborted)
+        } else if self.peer_abort.is_some() || self.lost {
+            Err(WriteError::Reset)
+        } else if self.fin_requested {
+            Err(WriteError::Shutdown)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Free bytes in the send buffer now: how many bytes
+    /// [`accept_write`](StreamCore::accept_write) takes.
+    ///
+    /// # Errors
+    ///
+    /// [`WriteError::Aborted`] after [`abort`](StreamCore::abort) or a
+    /// protocol error from the peer; [`WriteError::Reset`] after the peer's
+    /// ABORT or [`on_connection_lost`](StreamCore::on_connection_lost);
+    /// [`WriteError::Shutdown`] after [`shutdown`](StreamCore::shutdown).
+    pub fn write_capacity(&self) -> Result<usize, WriteError> {
+        self.write_state()?;
+        Ok((self.p.send_buf_len - self.sb_unposted - self.sb_inflight) as usize)
+    }
+
+    /// Reserves the next `n` bytes of the send buffer and returns where the
+    /// runtime must copy them: `ranges[0]` then `ranges[1]` (empty unless the
+    /// bytes wrap at the end of the buffer), offsets in bytes. The bytes
+    /// count as buffered from now on and are posted by
+    /// [`poll_transmit`](StreamCore::poll_transmit), so copy them before the
+    /// next `poll_transmit`.
+    ///
+    /// `n` must not exceed [`write_capacity`](StreamCore::write_capacity);
+    /// a larger `n` is cut down to it (debug builds assert), and nothing is
+    /// reserved when writes are refused. The two ranges' lengths always add
+    /// up to the bytes actually reserved.
+    pub fn accept_write(&mut self, n: usize) -> [Range<usize>; 2] {
+        let capacity = self.write_capacity().unwrap_or(0);
+        debug_assert!(n <= capacity, "accept_write({n}) with capacity {capacity}");
+        // capacity <= send_buf_len <= 2^30, so this fits in u32.
+        let n = n.min(capacity) as u32;
+        let out = ranges(self.sb_write_pos, n, self.p.send_buf_len);
+        self.sb_write_pos = advance(self.sb_write_pos, n, self.p.send_buf_len);
+        self.sb_unposted += n;
+        out
+    }
+
+    /// Half-closes the write side: a FIN is sent after every buffered byte.
+    /// Later writes fail with [`WriteError::Shutdown`]. Idempotent; reads are
+    /// unaffected.
+    pub fn shutdown(&mut self) {
+        self.fin_requested = true;
+    }
+
+    /// Aborts the connection: buffered bytes that were not posted are
+    /// dropped, no FIN is sent, and the next
+    /// [`poll_transmit`](StreamCore::poll_transmit) returns an ABORT carrying
+    /// `code` (bits above the 30th are dropped) as soon as one receive-WR
+    /// credit is available; nothing is sent after it. Writes fail with
+    /// [`WriteError::Aborted`].
+    ///
+    /// Best effort: after the peer's ABORT or
+    /// [`on_connection_lost`](StreamCore::on_connection_lost) nothing is
+    /// sent. Only the first call's code is used.
+    pub fn abort(&mut self, code: u32) {
+        if self.local_abort.is_some() {
+            return;
+        }
+        self.local_abort = Some(LocalAbort {
+            code: code & crate::proto::imm::MAX_ABORT_CODE,
+            sent: self.peer_abort.is_some() || self.lost,
+        });
+        self.sb_write_pos = self.sb_post_pos;
+        self.sb_unposted = 0;
+    }
+
+    /// Tells the core the connection failed underneath it (a completion with
+    /// an error status, the QP moved to the error state, or rdma_cm reported
+    /// `DISCONNECTED` without a FIN first). Nothing is sent afterwards and
+    /// writes fail with [`WriteError::Reset`].
+    pub fn on_connection_lost(&mut self) {
+        self.lost = true;
+    }
+
+    fn credit_due(&self) -> Option<Action> {
+        if self.bytes_to_return >= self.credit_bytes_threshold
+            || self.wrs_to_return >= self.credit_wrs_threshold
+        {
+            Some(Action::Credit {
+                wrs: self.wrs_to_return.min(MAX_CREDIT_WRS),
+                bytes: self.bytes_to_return.min(MAX_CREDIT_BYTES),
+            })
+        } else {
+            None
+        }
+    }
+
+    fn data_blocked_on_credit(&self) -> bool {
+        self.peer_bytes_credit == 0 || self.peer_wr_credit <= CONTROL_RESERVE
+    }
+
+    fn data_len(&self) -> u32 {
+        self.sb_unposted
+            .min(self.p.send_buf_len - self.sb_post_pos)
+            .min(self.p.peer_ring_len - self.remote_pos)
+            .min(self.peer_bytes_credit)
+            .min(self.p.max_write_len)
+    }
+
+    /// The next action, ignoring the send-queue limit.
+    fn next_action_any_slot(&self) -> Option<Action> {
+        if self.lost || self.peer_abort.is_some() {
+            return None;
+        }
+        if let Some(abort) = self.local_abort {
+            return (!abort.sent && self.peer_wr_credit >= 1).then_some(Action::Abort(abort.code));
+        }
+        if let Some(credit @ Action::Credit { wrs, .. }) = self.credit_due() {
+            if self.peer_wr_credit >= 2 || (self.peer_wr_credit == 1 && wrs >= 1) {
+                return Some(credit);
+            }
+        }
+        if self.sb_unposted > 0 {
+            if !self.data_blocked_on_credit() {
+                return Some(Action::Data {
+                    len: self.data_len(),
+                });
+            }
+        } else if self.fin_requested && !self.fin_sent && self.peer_wr_credit >= CONTROL_RESERVE {
+            return Some(Action::Fin);
+        }
+        None
+    }
+
+    fn next_action(&self) -> Option<Action> {
+        if self.outstanding.len() >= usize::from(self.p.send_queue_depth) {
+            return None;
+        }
+        self.next_action_any_slot()
+    }
+
+    fn note_stalls(&mut self) {
+        let open = self.local_abort.is_none() && self.peer_abort.is_none() && !self.lost;
+        let credit_blocked = open && self.sb_unposted > 0 && self.data_blocked_on_credit();
+        if credit_blocked && !self.credit_stalled {
+            self.stats.credit_stalls += 1;
+        }
+        self.credit_stalled = credit_blocked;
+        let sq_blocked = self.outstanding.len() >= usize::from(self.p.send_queue_depth)
+            && self.next_action_any_slot().is_some();
+        if sq_blocked && !self.sq_stalled {
+            self.stats.send_queue_stalls += 1;
+        }
+        self.sq_stalled = sq_blocked;
+    }
+
+    /// The next work request to post, or `None` when nothing can go now
+    /// (nothing to send, no credit, or the send queue is full; call again
+    /// after the next event).
+    ///
+    /// Order: ABORT (after [`abort`](StreamCore::abort), and then nothing
+    /// else), a CREDIT when returned-credit thresholds are reached, data,
+    /// then FIN once every buffered byte is posted. A data WR never wraps the
+    /// send buffer or the peer ring and is at most `max_write_len` bytes; it
+    /// needs byte credit and more than [`CONTROL_RESERVE`] WR credits. At
+    /// most `send_queue_depth` WRs are outstanding.
+    ///
+    /// `signaled` is set on every `signal_interval`-th WR, on FIN and ABORT,
+    /// and on the last WR that can be posted now (the next call would return
+    /// `None`), so every burst ends with a signaled WR whose completion
+    /// releases the whole burst.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.note_stalls();
+        let action = self.next_action()?;
+        let (kind, buf_bytes, always_signal) = match action {
+            Action::Data { len } => {
+                let local_offset = self.sb_post_pos;
+                let remote_offset = self.remote_pos;
+                self.sb_post_pos = advance(self.sb_post_pos, len, self.p.send_buf_len);
+                self.remote_pos = advance(self.remote_pos, len, self.p.peer_ring_len);
+                self.sb_unposted -= len;
+                self.sb_inflight += len;
+                self.peer_bytes_credit -= len;
+                let inline = len <= self.p.inline_threshold;
+                self.stats.bytes_sent += u64::from(len);
+                self.stats.data_wrs += 1;
+                self.stats.inline += u64::from(inline);
+                (
+                    TransmitKind::Data {
+                        local_offset,
+                        len,
+                        remote_offset,
+                        imm: Imm::Data { len }.encode(),
+                        inline,
+                    },
+                    len,
+                    false,
+                )
+            }
+            Action::Credit { wrs, bytes } => {
+                self.wrs_to_return -= wrs;
+                self.bytes_to_return -= bytes;
+                self.stats.credits_sent += 1;
+                (
+                    TransmitKind::Control {
+                        imm: Imm::Credit { wrs, bytes }.encode(),
+                    },
+                    0,
+                    false,
+                )
+            }
+            Action::Fin => {
+                self.fin_sent = true;
+                (
+                    TransmitKind::Control {
+                        imm: Imm::Fin.encode(),
+                    },
+                    0,
+                    true,
+                )
+            }
+            Action::Abort(code) => {
+                if let Some(abort) = &mut self.local_abort {
+                    abort.sent = true;
+                }
+                (
+                    TransmitKind::Control {
+                        imm: Imm::Abort { code }.encode(),
+                    },
+                    0,
+                    true,
+                )
+            }
+        };
+        self.peer_wr_credit -= 1;
+        if matches!(kind, TransmitKind::Control { .. }) {
+            self.stats.control_sent += 1;
+        }
+        let wr_id = self.next_wr_id;
+        self.next_wr_id += 1;
+        self.outstanding.push_back(Outstanding { wr_id, buf_bytes });
+        let signaled = always_signal
+            || self.unsignaled_run + 1 >= self.p.signal_interval
+            || self.next_action().is_none();
+        if signaled {
+            self.unsignaled_run = 0;
+            self.stats.signaled += 1;
+        } else {
+            self.unsignaled_run += 1;
+        }
+        self.stats.wrs_posted += 1;
+        Some(Transmit {
+            wr_id,
+            kind,
+            signaled,
+        })
+    }
+
+    /// A signaled WR completed successfully. By RC ordering every earlier WR
+    /// completed too, so the send-buffer bytes and send-queue slots of every
+    /// WR up to and including `wr_id` are released.
+    ///
+    /// # Errors
+    ///
+    /// [`ProtocolError::UnknownWrId`] if `wr_id` is not outstanding (never
+    /// handed out, or already released); nothing changes then.
+    pub fn on_send_complete(&mut self, wr_id: u64) -> Result<(), ProtocolError> {
+        let (Some(first), Some(last)) = (self.outstanding.front(), self.outstanding.back()) else {
+            return Err(ProtocolError::UnknownWrId {
+                wr_id,
+                outstanding: None,
+            });
+        };
+        let (first, last) = (first.wr_id, last.wr_id);
+        if wr_id < first || wr_id > last {
+            return Err(ProtocolError::UnknownWrId {
+                wr_id,
+                outstanding: Some((first, last)),
+            });
+        }
+        while let Some(done) = self.outstanding.pop_front() {
+            self.sb_inflight -= done.buf_bytes;
+            if done.wr_id == wr_id {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// True when the write side has nothing left to do: no buffered bytes,
+    /// the FIN posted if [`shutdown`](StreamCore::shutdown) was called, and
+    /// every posted WR completed. After [`abort`](StreamCore::abort): the
+    /// ABORT posted and completed. After the peer's ABORT or
+    /// [`on_connection_lost`](StreamCore::on_connection_lost): always true.
+    /// The runtime lingers on a dropped stream until this holds (bounded by
+    /// a timeout, since an ABORT may never get credit).
+    pub fn all_sent(&self) -> bool {
+        if self.lost || self.peer_abort.is_some() {
+            return true;
+        }
+        let queued_done = match self.local_abort {
+            Some(abort) => abort.sent,
+            None => self.sb_unposted == 0 && (!self.fin_requested || self.fin_sent),
+        };
+        queued_done && self.outstanding.is_empty()
+    }
+
+    /// Bytes buffered and not yet posted.
+    pub fn unposted_len(&self) -> usize {
+        self.sb_unposted as usize
+    }
+
+    /// WRs posted and not yet completed.
+    pub fn outstanding_wrs(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// Ring bytes this side may still write at the peer now (byte credit).
+    pub fn peer_bytes_credit(&self) -> u32 {
+        self.peer_bytes_credit
+    }
+
+    /// Receive WRs this side may still consume at the peer now (WR credit,
+    /// including the [`CONTROL_RESERVE`]).
+    pub fn peer_wr_credit(&self) -> u16 {
+        self.peer_wr_credit
+    }
+
+    // ----- receive side ----------------------------------------------------
+
+    /// Processes one receive completion (`IBV_WC_RECV_RDMA_WITH_IMM`) with
+    /// host-order immediate `imm`. The completion consumed one posted
+    /// receive WR; the runtime reposts it at once and the core counts it as
+    /// WR credit to return.
+    ///
+    /// # Errors
+    ///
+    /// Checked in this order: [`ProtocolError::MessageAfterAbort`] after the
+    /// peer's ABORT; [`ProtocolError::WrOverrun`] if more than `recv_depth`
+    /// WRs are consumed without credit returned;
+    /// [`ProtocolError::BadImm`] from [`Imm::decode`]; for DATA
+    /// [`ProtocolError::DataAfterFin`], [`ProtocolError::RingWrap`] (crosses
+    /// the ring end), [`ProtocolError::RingOverrun`] (more than the free
+    /// ring space); for CREDIT [`ProtocolError::CreditOverflow`]; for FIN
+    /// [`ProtocolError::DuplicateFin`]. On any error the core aborts the
+    /// connection with [`ProtocolError::abort_code`] (as
+    /// [`abort`](StreamCore::abort) does), so the peer is told.
+    pub fn on_recv(&mut self, imm: u32) -> Result<RecvEvent, ProtocolError> {
+        let result = self.on_recv_inner(imm);
+        if let Err(err) = &result {
+            self.abort(err.abort_code());
+        }
+        result
+    }
+
+    fn on_recv_inner(&mut self, imm: u32) -> Result<RecvEvent, ProtocolError> {
+        if self.peer_abort.is_some() {
+            return Err(ProtocolError::MessageAfterAbort { imm });
+        }
+        let consumed = u32::from(self.wrs_to_return) + 1;
+        if consumed > u32::from(self.p.recv_depth) {
+            return Err(ProtocolError::WrOverrun {
+                consumed,
+                recv_depth: self.p.recv_depth,
+            });
+        }
+        let msg = Imm::decode(imm)?;
+        // Validate before committing anything.
+        match msg {
+            Imm::Data { len } => {
+                if self.fin_received {
+                    return Err(ProtocolError::DataAfterFin { len });
+                }
+                if u64::from(self.recv_tail) + u64::from(len) > u64::from(self.p.ring_len) {
+                    return Err(ProtocolError::RingWrap {
+                        offset: self.recv_tail,
+                        len,
+                        ring_len: self.p.ring_len,
+                    });
+                }
+                let free = self.p.ring_len - self.unconsumed - self.bytes_to_return;
+                if len > free {
+                    return Err(ProtocolError::RingOverrun { len, free });
+                }
+            }
+            Imm::Credit { wrs, bytes } => {
+                let outstanding_wrs = self.p.peer_recv_depth - self.peer_wr_credit;
+                let outstanding_bytes = self.p.peer_ring_len - self.peer_bytes_credit;
+                if wrs > outstanding_wrs || bytes > outstanding_bytes {
+                    return Err(ProtocolError::CreditOverflow {
+                        wrs,
+                        bytes,
+                        outstanding_wrs,
+                        outstanding_bytes,
+                    });
+                }
+            }
+            Imm::Fin if self.fin_received => return Err(ProtocolError::DuplicateFin),
+            Imm::Fin | Imm::Abort { .. } => {}
+        }
+        self.wrs_to_return += 1;
+        Ok(match msg {
+            Imm::Data { len } => {
+                let offset = self.recv_tail;
+                self.recv_tail = advance(self.recv_tail, len, self.p.ring_len);
+                self.unconsumed += len;
+                self.stats.bytes_received += u64::from(len);
+                RecvEvent::Data { offset, len }
+            }
+            Imm::Credit { wrs, bytes } => {
+                self.peer_wr_credit += wrs;
+                self.peer_bytes_credit += bytes;
+                self.stats.control_received += 1;
+                RecvEvent::Credit { wrs, bytes }
+            }
+            Imm::Fin => {
+                self.fin_received = true;
+                self.stats.control_received += 1;
+                RecvEvent::Fin
+            }
+            Imm::Abort { code } => {
+                self.peer_abort = Some(code);
+                self.stats.control_received += 1;
+                RecvEvent::Abort { code }
+            }
+        })
+    }
+
+    /// Where the received, unconsumed bytes lie in the local ring, in
+    /// arrival order: `ranges[0]` then `ranges[1]` (empty unless they wrap),
+    /// offsets in bytes. Their total is [`readable_len`](StreamCore::readable_len).
+    pub fn readable(&self) -> [Range<usize>; 2] {
+        ranges(self.read_pos, self.unconsumed, self.p.ring_len)
+    }
+
+    /// Bytes received and not yet consumed.
+    pub fn readable_len(&self) -> usize {
+        self.unconsumed as usize
+    }
+
+    /// The reader copied the next `n` bytes (in arrival order, starting at
+    /// [`readable`](StreamCore::readable)`[0].start`) out of the ring. Frees
+    /// that ring space and counts it as byte credit to return.
+    ///
+    /// `n` must not exceed [`readable_len`](StreamCore::readable_len); a
+    /// larger `n` is cut down to it (debug builds assert).
+    pub fn consume(&mut self, n: usize) {
+        debug_assert!(
+            n <= self.unconsumed as usize,
+            "consume({n}) with {} readable",
+            self.unconsumed
+        );
+        let n = n.min(self.unconsumed as usize) as u32;
+        self.read_pos = advance(self.read_pos, n, self.p.ring_len);
+        self.unconsumed -= n;
+        self.bytes_to_return += n;
+    }
+
+    /// True once the peer's FIN arrived and every byte before it has been
+    /// consumed: a read now returns end-of-file.
+    pub fn readable_eof(&self) -> bool {
+        self.fin_received && self.unconsumed == 0
+    }
+
+    /// True once the peer's FIN arrived (there may still be unconsumed bytes).
+    pub fn fin_received(&self) -> bool {
+        self.fin_received
+    }
+
+    /// True after [`abort`](StreamCore::abort), a protocol error from the
+    /// peer, or the peer's ABORT.
+    pub fn is_aborted(&self) -> bool {
+        self.local_abort.is_some() || self.peer_abort.is_some()
+    }
+
+    /// The code of the peer's ABORT, if one arrived.
+    pub fn peer_abort_code(&self) -> Option<u32> {
+        self.peer_abort
+    }
+
+    /// The code of this side's abort, if [`abort`](StreamCore::abort) was
+    /// called or a protocol error aborted the connection.
+    pub fn local_abort_code(&self) -> Option<u32> {
+        self.local_abort.map(|abort| abort.code)
+    }
+
+    /// The stream's counters.
+    pub fn stats(&self) -> StreamStats {
+        self.stats
+    }
+
+    /// Receive WRs and ring bytes consumed here and not yet returned to the
+    /// peer (for the tests' conservation checks).
+    #[cfg(test)]
+    pub(crate) fn to_return(&self) -> (u16, u32) {
+        (self.wrs_to_return, self.bytes_to_return)
+    }
+}
+
+/// `pos + len` within a ring of `ring` bytes; `pos < ring`, `len <= ring`.
+fn advance(pos: u32, len: u32, ring: u32) -> u32 {
+    // pos + len <= 2^31: no overflow.
+    let next = pos + len;
+    if next >= ring { next - ring } else { next }
+}

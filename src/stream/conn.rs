@@ -1,0 +1,725 @@
+//! The connection runtime: shared state between the application's
+//! [`RdmaStream`](super::RdmaStream) handles and a background driver task.
+//!
+//! The driver owns receive progress: it drains the completion queue,
+//! reposts receive WRs, moves arrived bytes out of the ring (up to
+//! `recv_buffer_limit`), returns credit and posts what the application wrote
+//! while credit was short. None of it waits for `poll_read`. The application
+//! side copies into the registered send buffer and posts directly from
+//! `poll_write` (no task hop on the fast path).
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use tokio::sync::Notify;
+use tracing::{Instrument, debug, trace, warn};
+
+use crate::config::RdmaConfig;
+use crate::error::{Error, Result};
+use crate::proto::handshake::{EndpointKind, Hello};
+use crate::proto::stream::{RecvEvent, StreamCore, StreamParams, Transmit, TransmitKind};
+use crate::proto::{ProtocolError, WriteError};
+use crate::stats::ConnectionStats;
+use crate::verbs::cm::{CmEventKind, CmId};
+use crate::verbs::rc::{Completion, OpenDevice, RcQueuePair, RcSizes, WcKind};
+
+/// `ibv_wc_status` values the driver distinguishes.
+const WC_SUCCESS: u32 = 0;
+const WC_WR_FLUSH_ERR: u32 = 5;
+const WC_RETRY_EXC_ERR: u32 = 12;
+const WC_RNR_RETRY_EXC_ERR: u32 = 13;
+
+/// Why the connection is unusable, kept to build fresh `io::Error`s.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnError {
+    kind: io::ErrorKind,
+    msg: String,
+}
+
+impl ConnError {
+    fn new(kind: io::ErrorKind, msg: impl Into<String>) -> Self {
+        ConnError {
+            kind,
+            msg: msg.into(),
+        }
+    }
+    pub(crate) fn to_io(&self) -> io::Error {
+        io::Error::new(self.kind, self.msg.clone())
+    }
+}
+
+/// Everything behind the connection's mutex.
+pub(crate) struct State {
+    core: StreamCore,
+    qp: RcQueuePair,
+    peer_ring_addr: u64,
+    peer_rkey: u32,
+    /// Bytes already moved out of the ring, oldest first.
+    backlog: VecDeque<Bytes>,
+    backlog_len: usize,
+    /// Arrived ring segments (offset, len) not yet moved or read, in order.
+    ring_pending: VecDeque<(u32, u32)>,
+    recv_buffer_limit: usize,
+    read_waker: Option<Waker>,
+    write_waker: Option<Waker>,
+    error: Option<ConnError>,
+    /// The peer disconnected (rdma_cm DISCONNECTED) or the QP failed.
+    peer_gone: bool,
+    /// Number of live application handles (stream or halves).
+    handles: usize,
+    pub(crate) stats: ConnectionStats,
+}
+
+impl State {
+    fn wake_all(&mut self) {
+        if let Some(w) = self.read_waker.take() {
+            w.wake();
+        }
+        if let Some(w) = self.write_waker.take() {
+            w.wake();
+        }
+    }
+
+    fn fail(&mut self, err: ConnError) {
+        if self.error.is_none() {
+            debug!(kind = ?err.kind, msg = %err.msg, "connection failed");
+            self.stats.errors += 1;
+            self.error = Some(err);
+        }
+        self.wake_all();
+    }
+
+    /// Posts every work request the core has ready.
+    fn transmit(&mut self) {
+        while let Some(t) = self.core.poll_transmit() {
+            if let Err(e) = self.post(&t) {
+                self.fail(ConnError::new(
+                    io::ErrorKind::ConnectionAborted,
+                    e.to_string(),
+                ));
+                return;
+            }
+        }
+    }
+
+    fn post(&mut self, t: &Transmit) -> Result<()> {
+        let (local_offset, len, remote_offset, imm, inline) = match t.kind {
+            TransmitKind::Data {
+                local_offset,
+                len,
+                remote_offset,
+                imm,
+                inline,
+            } => (local_offset, len, remote_offset, imm, inline),
+            TransmitKind::Control { imm } => (0, 0, 0, imm, false),
+        };
+        self.qp.post_write_imm(
+            t.wr_id,
+            local_offset,
+            len,
+            self.peer_ring_addr + u64::from(remote_offset),
+            self.peer_rkey,
+            imm,
+            t.signaled,
+            inline,
+        )?;
+        self.stats.wrs_sent += 1;
+        if len > 0 {
+            self.stats.bytes_sent += u64::from(len);
+            if inline {
+                self.stats.inline_sends += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves arrived ring bytes into the backlog while under the limit,
+    /// returning their ring space (and so credit) to the peer.
+    fn drain_ring(&mut self) {
+        while self.backlog_len < self.recv_buffer_limit {
+            let Some((off, len)) = self.ring_pending.pop_front() else {
+                break;
+            };
+            let mut buf = BytesMut::zeroed(len as usize);
+            if let Err(e) = self.qp.recv_ring.read_at(off as usize, &mut buf) {
+                self.fail(ConnError::new(
+                    io::ErrorKind::ConnectionAborted,
+                    e.to_string(),
+                ));
+                return;
+            }
+            self.core.consume(len as usize);
+            self.backlog_len += len as usize;
+            self.backlog.push_back(buf.freeze());
+        }
+    }
+
+    /// Handles one completion. Returns the number of receive WRs to repost.
+    fn on_completion(&mut self, wc: &Completion) -> u32 {
+        self.stats.completions += 1;
+        if wc.status != WC_SUCCESS {
+            if wc.status == WC_WR_FLUSH_ERR && (self.peer_gone || self.error.is_some()) {
+                return 0;
+            }
+            let kind = match wc.status {
+                WC_RETRY_EXC_ERR | WC_RNR_RETRY_EXC_ERR | WC_WR_FLUSH_ERR => {
+                    io::ErrorKind::ConnectionReset
+                }
+                _ => io::ErrorKind::ConnectionAborted,
+            };
+            self.peer_gone = true;
+            self.fail(ConnError::new(
+                kind,
+                format!(
+                    "work request failed with ibv_wc_status {} (peer gone?)",
+                    wc.status
+                ),
+            ));
+            return 0;
+        }
+        match wc.kind {
+            WcKind::Send => {
+                if let Err(e) = self.core.on_send_complete(wc.wr_id) {
+                    self.protocol_error(e);
+                }
+                if let Some(w) = self.write_waker.take() {
+                    w.wake();
+                }
+                0
+            }
+            WcKind::RecvImm => {
+                self.stats.wrs_received += 1;
+                match self.core.on_recv(wc.imm) {
+                    Ok(RecvEvent::Data { offset, len }) => {
+                        self.stats.bytes_received += u64::from(len);
+                        self.ring_pending.push_back((offset, len));
+                        if let Some(w) = self.read_waker.take() {
+                            w.wake();
+                        }
+                    }
+                    Ok(RecvEvent::Fin) => {
+                        if let Some(w) = self.read_waker.take() {
+                            w.wake();
+                        }
+                    }
+                    Ok(RecvEvent::Abort { code }) => {
+                        self.fail(ConnError::new(
+                            io::ErrorKind::ConnectionReset,
+                            format!("connection aborted by peer (code {code})"),
+                        ));
+                    }
+                    Ok(_) => {}
+                    Err(e) => self.protocol_error(e),
+                }
+                1
+            }
+            WcKind::Other => 0,
+        }
+    }
+
+    fn protocol_error(&mut self, e: ProtocolError) {
+        warn!(error = %e, "peer violated the stream protocol; aborting");
+        self.fail(ConnError::new(
+            io::ErrorKind::InvalidData,
+            Error::Protocol(e).to_string(),
+        ));
+        self.transmit(); // best-effort ABORT queued by the core
+    }
+
+    /// Drains the CQ and does all follow-up work. Returns completions seen.
+    fn progress(&mut self, scratch: &mut Vec<Completion>) -> usize {
+        scratch.clear();
+        if let Err(e) = self.qp.poll(scratch) {
+            self.fail(ConnError::new(
+                io::ErrorKind::ConnectionAborted,
+                e.to_string(),
+            ));
+            return 0;
+        }
+        let n = scratch.len();
+        let mut repost = 0;
+        for wc in scratch.iter() {
+            repost += self.on_completion(wc);
+        }
+        if repost > 0 && self.error.is_none() && !self.peer_gone {
+            if let Err(e) = self.qp.post_recvs(repost) {
+                self.fail(ConnError::new(
+                    io::ErrorKind::ConnectionAborted,
+                    e.to_string(),
+                ));
+            }
+        }
+        self.drain_ring();
+        if self.error.is_none() {
+            self.transmit();
+        }
+        n
+    }
+}
+
+/// The connection shared by handles and the driver.
+pub(crate) struct Conn {
+    pub(crate) state: Mutex<State>,
+    /// Wakes the driver (handle dropped, or work to re-check).
+    notify: Notify,
+    pub(crate) local_addr: SocketAddr,
+    pub(crate) peer_addr: SocketAddr,
+    pub(crate) qp_num: u32,
+    pub(crate) device: String,
+    nodelay: std::sync::atomic::AtomicBool,
+}
+
+static CONN_IDS: AtomicU64 = AtomicU64::new(1);
+
+impl Conn {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn set_nodelay(&self, v: bool) {
+        self.nodelay.store(v, Ordering::Relaxed);
+    }
+    pub(crate) fn nodelay(&self) -> bool {
+        self.nodelay.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn add_handle(&self) {
+        self.lock().handles += 1;
+    }
+
+    pub(crate) fn drop_handle(&self) {
+        let last = {
+            let mut st = self.lock();
+            st.handles -= 1;
+            st.handles == 0
+        };
+        if last {
+            self.notify.notify_one();
+        }
+    }
+
+    pub(crate) fn poll_read(
+        &self,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let mut st = self.lock();
+        if buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        let mut copied = 0;
+        while buf.remaining() > 0 {
+            if let Some(front) = st.backlog.front_mut() {
+                let n = front.len().min(buf.remaining());
+                buf.put_slice(&front[..n]);
+                bytes::Buf::advance(front, n);
+                if front.is_empty() {
+                    st.backlog.pop_front();
+                }
+                st.backlog_len -= n;
+                copied += n;
+                continue;
+            }
+            let Some(&(off, len)) = st.ring_pending.front() else {
+                break;
+            };
+            let n = (len as usize).min(buf.remaining());
+            let dst = buf.initialize_unfilled_to(n);
+            if let Err(e) = st.qp.recv_ring.read_at(off as usize, &mut dst[..n]) {
+                return Poll::Ready(Err(io::Error::other(e)));
+            }
+            buf.advance(n);
+            st.core.consume(n);
+            let front = st.ring_pending.front_mut().expect("checked above");
+            if n == len as usize {
+                st.ring_pending.pop_front();
+            } else {
+                *front = (off + n as u32, len - n as u32);
+            }
+            copied += n;
+        }
+        if copied > 0 {
+            // Space freed: move more ring data and return credit.
+            st.drain_ring();
+            if st.error.is_none() {
+                st.transmit();
+            }
+            return Poll::Ready(Ok(()));
+        }
+        if st.core.readable_eof() {
+            return Poll::Ready(Ok(()));
+        }
+        if let Some(e) = &st.error {
+            return Poll::Ready(Err(e.to_io()));
+        }
+        if st.peer_gone {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "peer disconnected without closing the stream",
+            )));
+        }
+        st.read_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn write_error(st: &State, e: WriteError) -> io::Error {
+        match e {
+            WriteError::Shutdown => io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "stream was shut down for writing",
+            ),
+            _ => {
+                st.error.as_ref().map(ConnError::to_io).unwrap_or_else(|| {
+                    io::Error::new(io::ErrorKind::ConnectionReset, e.to_string())
+                })
+            }
+        }
+    }
+
+    pub(crate) fn poll_write_vectored(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        let mut st = self.lock();
+        let cap = match st.core.write_capacity() {
+            Ok(c) => c,
+            Err(e) => return Poll::Ready(Err(Self::write_error(&st, e))),
+        };
+        if let Some(e) = &st.error {
+            return Poll::Ready(Err(e.to_io()));
+        }
+        if st.peer_gone {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "peer disconnected",
+            )));
+        }
+        if total == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        if cap == 0 {
+            st.stats.credit_stalls += 1;
+            st.write_waker = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let n = cap.min(total);
+        let ranges = st.core.accept_write(n);
+        // Copy the first n bytes of `bufs` into the ranges, in order.
+        let mut src = bufs
+            .iter()
+            .flat_map(|b| b.chunks(usize::MAX))
+            .filter(|c| !c.is_empty());
+        let mut cur: &[u8] = src.next().unwrap_or(&[]);
+        for r in ranges.iter() {
+            let mut at = r.start;
+            while at < r.end {
+                if cur.is_empty() {
+                    cur = src.next().unwrap_or(&[]);
+                    if cur.is_empty() {
+                        break;
+                    }
+                }
+                let k = (r.end - at).min(cur.len());
+                if let Err(e) = st.qp.send_buf.write_at(at, &cur[..k]) {
+                    return Poll::Ready(Err(io::Error::other(e)));
+                }
+                at += k;
+                cur = &cur[k..];
+            }
+        }
+        st.transmit();
+        Poll::Ready(Ok(n))
+    }
+
+    /// Ready once every accepted byte has been posted to the NIC.
+    pub(crate) fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut st = self.lock();
+        if let Some(e) = &st.error {
+            return Poll::Ready(Err(e.to_io()));
+        }
+        if st.core.unposted_len() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        if st.peer_gone {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "peer disconnected",
+            )));
+        }
+        st.write_waker = Some(cx.waker().clone());
+        Poll::Pending
+    }
+
+    /// Half-close: queue a FIN after the buffered bytes; ready once posted.
+    pub(crate) fn poll_shutdown(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        {
+            let mut st = self.lock();
+            if st.error.is_none() {
+                st.core.shutdown();
+                st.transmit();
+            }
+        }
+        self.poll_flush(cx)
+    }
+
+    pub(crate) fn stats(&self) -> ConnectionStats {
+        let st = self.lock();
+        let mut s = st.stats.clone();
+        s.credit_stalls += st.core.stats().credit_stalls;
+        s
+    }
+}
+
+/// What the handshake hands to [`spawn`].
+pub(crate) struct Established {
+    pub id: CmId,
+    pub qp: RcQueuePair,
+    pub peer: Hello,
+    pub local_addr: SocketAddr,
+    pub peer_addr: SocketAddr,
+    pub device: String,
+}
+
+/// The sizes and core parameters for a connection from `cfg` and the
+/// peer's Hello.
+fn params(cfg: &RdmaConfig, peer: &Hello, max_inline: u32) -> StreamParams {
+    StreamParams {
+        send_buf_len: cfg.send_buffer_size,
+        ring_len: cfg.ring_size,
+        recv_depth: cfg.recv_queue_depth,
+        peer_ring_len: peer.ring_len,
+        peer_recv_depth: peer.recv_depth,
+        send_queue_depth: cfg.send_queue_depth,
+        inline_threshold: cfg.inline_threshold.min(max_inline),
+        signal_interval: cfg.signal_interval,
+        max_write_len: cfg.max_write_size,
+    }
+}
+
+pub(crate) fn rc_sizes(cfg: &RdmaConfig) -> RcSizes {
+    RcSizes {
+        send_depth: u32::from(cfg.send_queue_depth),
+        recv_depth: u32::from(cfg.recv_queue_depth),
+        max_inline: cfg.inline_threshold,
+        send_buf: cfg.send_buffer_size as usize,
+        recv_ring: cfg.ring_size as usize,
+    }
+}
+
+/// Our half of the handshake for a QP.
+pub(crate) fn local_hello(qp: &RcQueuePair, cfg: &RdmaConfig) -> Hello {
+    Hello {
+        kind: EndpointKind::ByteStream,
+        ring_addr: qp.recv_ring.addr(),
+        ring_rkey: qp.recv_ring.rkey(),
+        ring_len: cfg.ring_size,
+        recv_depth: cfg.recv_queue_depth,
+    }
+}
+
+/// Creates a QP (in RESET) for `id`'s device. Receive WRs are posted by
+/// [`RcQueuePair::connect_from_cm`] once the QP is in INIT.
+pub(crate) fn new_qp(
+    id: &CmId,
+    cfg: &RdmaConfig,
+) -> Result<(Arc<OpenDevice>, RcQueuePair, String)> {
+    let name = id.device_name().ok_or(Error::NoDevice)?;
+    if let Some(want) = &cfg.device {
+        if *want != name {
+            return Err(Error::DeviceNotFound { name: want.clone() });
+        }
+    }
+    let dev = crate::verbs::rc::open_device(&name)?;
+    let qp = RcQueuePair::new(Arc::clone(&dev), rc_sizes(cfg))?;
+    Ok((dev, qp, name))
+}
+
+/// Builds the shared connection and starts its driver task.
+pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
+    let max_inline = est.qp.max_inline();
+    let core = StreamCore::new(params(cfg, &est.peer, max_inline))?;
+    let conn_id = CONN_IDS.fetch_add(1, Ordering::Relaxed);
+    let qp_num = est.qp.qp_num();
+    let state = State {
+        core,
+        qp: est.qp,
+        peer_ring_addr: est.peer.ring_addr,
+        peer_rkey: est.peer.ring_rkey,
+        backlog: VecDeque::new(),
+        backlog_len: 0,
+        ring_pending: VecDeque::new(),
+        recv_buffer_limit: cfg.recv_buffer_limit,
+        read_waker: None,
+        write_waker: None,
+        error: None,
+        peer_gone: false,
+        handles: 1,
+        stats: ConnectionStats::default(),
+    };
+    let conn = Arc::new(Conn {
+        state: Mutex::new(state),
+        notify: Notify::new(),
+        local_addr: est.local_addr,
+        peer_addr: est.peer_addr,
+        qp_num,
+        device: est.device,
+        nodelay: std::sync::atomic::AtomicBool::new(true),
+    });
+    let span = tracing::debug_span!(
+        "rdma_conn",
+        id = conn_id,
+        local = %est.local_addr,
+        peer = %est.peer_addr,
+        qp = qp_num
+    );
+    let driver = Driver {
+        conn: Arc::clone(&conn),
+        id: est.id,
+        busy_poll: cfg.busy_poll,
+    };
+    tokio::spawn(driver.run().instrument(span));
+    Ok(conn)
+}
+
+struct Driver {
+    conn: Arc<Conn>,
+    id: CmId,
+    busy_poll: std::time::Duration,
+}
+
+impl Driver {
+    async fn run(self) {
+        let Driver {
+            conn,
+            id,
+            busy_poll,
+        } = self;
+        debug!("connection established");
+        let channel = Arc::clone(id.channel());
+        let mut scratch = Vec::with_capacity(64);
+        let mut fin_requested = false;
+        loop {
+            // Drain, arm, drain again (completion channels are edge
+            // triggered: a completion between the drain and the arm would
+            // otherwise never raise an event).
+            let done = {
+                let mut st = conn.lock();
+                let mut n = st.progress(&mut scratch);
+                if n == 0 && !busy_poll.is_zero() && st.error.is_none() {
+                    let start = Instant::now();
+                    while n == 0 && start.elapsed() < busy_poll {
+                        drop(st);
+                        std::hint::spin_loop();
+                        st = conn.lock();
+                        n = st.progress(&mut scratch);
+                    }
+                }
+                if let Err(e) = st.qp.arm() {
+                    st.fail(ConnError::new(
+                        io::ErrorKind::ConnectionAborted,
+                        e.to_string(),
+                    ));
+                }
+                st.progress(&mut scratch);
+                if st.handles == 0 && !fin_requested && st.error.is_none() && !st.peer_gone {
+                    // All handles dropped: close like TCP, FIN after the data.
+                    fin_requested = true;
+                    st.core.shutdown();
+                    st.transmit();
+                }
+                let lingering =
+                    st.handles == 0 && st.error.is_none() && !st.peer_gone && !st.core.all_sent();
+                (st.handles == 0 && !lingering) || (st.error.is_some() && st.handles == 0)
+            };
+            if done {
+                break;
+            }
+            tokio::select! {
+                r = async { conn.lock_qp_readable().await } => {
+                    if r.is_err() {
+                        break;
+                    }
+                    conn.lock().qp.take_events();
+                }
+                ev = channel.next() => {
+                    match ev {
+                        Ok(ev) => {
+                            trace!(kind = ?ev.kind, "rdma_cm event");
+                            if matches!(ev.kind, CmEventKind::Disconnected | CmEventKind::DeviceRemoval) {
+                                let mut st = conn.lock();
+                                st.progress(&mut scratch);
+                                st.peer_gone = true;
+                                st.qp.set_error();
+                                st.wake_all();
+                            }
+                        }
+                        Err(e) => {
+                            conn.lock().fail(ConnError::new(io::ErrorKind::ConnectionAborted, e.to_string()));
+                        }
+                    }
+                }
+                _ = conn.notify.notified() => {}
+            }
+        }
+        debug!("connection closing");
+        let _ = id.disconnect();
+        {
+            let mut st = conn.lock();
+            st.qp.set_error();
+            st.wake_all();
+        }
+        // The QP and its memory are freed when the last handle's Arc drops;
+        // rdma_destroy_id may block in the kernel, so it runs off the runtime.
+        tokio::task::spawn_blocking(move || drop(id));
+    }
+}
+
+impl Conn {
+    /// Waits until the completion channel has an event, without holding the
+    /// state lock across the await.
+    async fn lock_qp_readable(&self) -> io::Result<()> {
+        std::future::poll_fn(|cx| self.lock().qp.poll_readable(cx)).await
+    }
+}
+
+/// One application handle on a connection (a stream or a half). The
+/// connection closes (FIN after the buffered data) when the last one drops.
+pub(crate) struct Handle(Arc<Conn>);
+
+impl Handle {
+    /// Wraps the first handle (`spawn` counts it already).
+    pub(crate) fn first(conn: Arc<Conn>) -> Self {
+        Handle(conn)
+    }
+
+    /// Another handle on the same connection.
+    pub(crate) fn another(&self) -> Self {
+        self.0.add_handle();
+        Handle(Arc::clone(&self.0))
+    }
+
+    pub(crate) fn same_conn(&self, other: &Handle) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::ops::Deref for Handle {
+    type Target = Conn;
+    fn deref(&self) -> &Conn {
+        &self.0
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.0.drop_handle();
+    }
+}

@@ -1,0 +1,450 @@
+//! rdma_cm (librdmacm) connection management on tokio.
+//!
+//! sideway 0.4's rdma_cm wrapper has no way to send or read private data,
+//! reject a request or migrate an id, all of which the handshake needs, so
+//! this module calls librdmacm through `rdma-mummy-sys` directly.
+//!
+//! Every event is copied (type, status, private data) and acknowledged at
+//! once, so `rdma_destroy_id` and `rdma_migrate_id` never block waiting for
+//! an unacknowledged event. The event channel's fd is non-blocking and driven
+//! by [`tokio::io::unix::AsyncFd`].
+
+use std::ffi::CStr;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, RawFd};
+use std::ptr::{self, NonNull};
+use std::sync::Arc;
+use std::time::Duration;
+
+use os_socketaddr::OsSocketAddr;
+use rdma_mummy_sys::{
+    ibv_qp_attr, rdma_accept, rdma_ack_cm_event, rdma_bind_addr, rdma_cm_event, rdma_cm_event_type,
+    rdma_cm_id, rdma_conn_param, rdma_connect, rdma_create_event_channel, rdma_create_id,
+    rdma_destroy_event_channel, rdma_destroy_id, rdma_disconnect, rdma_establish,
+    rdma_event_channel, rdma_get_cm_event, rdma_init_qp_attr, rdma_listen, rdma_migrate_id,
+    rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route,
+};
+use tokio::io::unix::AsyncFd;
+
+use crate::error::{Error, Result};
+
+/// The rdma_cm event types this crate acts on (`enum rdma_cm_event_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CmEventKind {
+    AddrResolved,
+    AddrError,
+    RouteResolved,
+    RouteError,
+    ConnectRequest,
+    ConnectResponse,
+    ConnectError,
+    Unreachable,
+    Rejected,
+    Established,
+    Disconnected,
+    DeviceRemoval,
+    TimewaitExit,
+    Other(u32),
+}
+
+impl From<u32> for CmEventKind {
+    fn from(v: u32) -> Self {
+        use rdma_cm_event_type::*;
+        match v {
+            RDMA_CM_EVENT_ADDR_RESOLVED => Self::AddrResolved,
+            RDMA_CM_EVENT_ADDR_ERROR => Self::AddrError,
+            RDMA_CM_EVENT_ROUTE_RESOLVED => Self::RouteResolved,
+            RDMA_CM_EVENT_ROUTE_ERROR => Self::RouteError,
+            RDMA_CM_EVENT_CONNECT_REQUEST => Self::ConnectRequest,
+            RDMA_CM_EVENT_CONNECT_RESPONSE => Self::ConnectResponse,
+            RDMA_CM_EVENT_CONNECT_ERROR => Self::ConnectError,
+            RDMA_CM_EVENT_UNREACHABLE => Self::Unreachable,
+            RDMA_CM_EVENT_REJECTED => Self::Rejected,
+            RDMA_CM_EVENT_ESTABLISHED => Self::Established,
+            RDMA_CM_EVENT_DISCONNECTED => Self::Disconnected,
+            RDMA_CM_EVENT_DEVICE_REMOVAL => Self::DeviceRemoval,
+            RDMA_CM_EVENT_TIMEWAIT_EXIT => Self::TimewaitExit,
+            other => Self::Other(other),
+        }
+    }
+}
+
+struct RawChannel(NonNull<rdma_event_channel>);
+
+// SAFETY: an rdma_event_channel is a heap object holding an fd; librdmacm
+// allows its use from any thread (calls on it are independent syscalls).
+unsafe impl Send for RawChannel {}
+// SAFETY: see `Send`; shared access only reads the fd or makes syscalls.
+unsafe impl Sync for RawChannel {}
+
+impl AsRawFd for RawChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        // SAFETY: the pointer is valid until Drop (we own the channel).
+        unsafe { self.0.as_ref().fd }
+    }
+}
+
+impl Drop for RawChannel {
+    fn drop(&mut self) {
+        // SAFETY: we own the channel; every id created on it holds an Arc to
+        // the `EventChannel`, so no id outlives it.
+        unsafe { rdma_destroy_event_channel(self.0.as_ptr()) };
+    }
+}
+
+/// An rdma_cm event channel with a non-blocking fd registered with tokio.
+pub(crate) struct EventChannel {
+    fd: AsyncFd<RawChannel>,
+}
+
+/// One rdma_cm event, copied out of librdmacm's struct and already acked.
+pub(crate) struct CmEvent {
+    pub kind: CmEventKind,
+    /// `status` of the event: a negative errno, or for REJECTED the IB CM
+    /// reject reason (28 = consumer reject).
+    pub status: i32,
+    /// For CONNECT_REQUEST: the new id for that request (owned by the caller).
+    pub new_id: Option<CmId>,
+    /// Private data of CONNECT_REQUEST/CONNECT_RESPONSE/REJECTED/ESTABLISHED.
+    pub private_data: Vec<u8>,
+}
+
+impl EventChannel {
+    /// Creates a channel and registers its fd with the current tokio reactor.
+    pub(crate) fn new() -> Result<Arc<Self>> {
+        // SAFETY: plain constructor; NULL is checked below.
+        let raw = unsafe { rdma_create_event_channel() };
+        let Some(raw) = NonNull::new(raw) else {
+            let source = io::Error::last_os_error();
+            return Err(match source.raw_os_error() {
+                Some(libc::EOPNOTSUPP) => Error::LibraryUnavailable {
+                    library: "librdmacm.so.1",
+                },
+                Some(libc::ENODEV) | Some(libc::ENOENT) | Some(libc::ENOSYS) => Error::NoDevice,
+                _ => Error::Verbs {
+                    op: "rdma_create_event_channel",
+                    source,
+                },
+            });
+        };
+        let chan = RawChannel(raw);
+        set_nonblocking(chan.as_raw_fd()).map_err(|source| Error::Verbs {
+            op: "fcntl(O_NONBLOCK)",
+            source,
+        })?;
+        // SAFETY: the fd belongs to `chan`, stays open until `chan` drops,
+        // and `chan` is owned by the AsyncFd for its whole life.
+        let fd = unsafe { AsyncFd::register_with_interest(chan, tokio::io::Interest::READABLE) }
+            .map_err(|e| Error::Verbs {
+                op: "AsyncFd::register",
+                source: e.into(),
+            })?;
+        Ok(Arc::new(EventChannel { fd }))
+    }
+
+    fn raw(&self) -> *mut rdma_event_channel {
+        self.fd.get_ref().0.as_ptr()
+    }
+
+    /// Takes one event if one is queued.
+    fn try_next(self: &Arc<Self>) -> io::Result<Option<CmEvent>> {
+        let mut ev: *mut rdma_cm_event = ptr::null_mut();
+        // SAFETY: valid channel; `ev` is written on success only.
+        let ret = unsafe { rdma_get_cm_event(self.raw(), &mut ev) };
+        if ret != 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::WouldBlock {
+                return Ok(None);
+            }
+            return Err(err);
+        }
+        // SAFETY: rdma_get_cm_event succeeded, so `ev` points to a valid
+        // event that stays valid until rdma_ack_cm_event below.
+        let (kind, status, id, private_data) = unsafe {
+            let e = &*ev;
+            let kind = CmEventKind::from(e.event);
+            let conn: &rdma_conn_param = &e.param.conn;
+            let pd = if !conn.private_data.is_null() && conn.private_data_len > 0 {
+                std::slice::from_raw_parts(
+                    conn.private_data.cast::<u8>(),
+                    conn.private_data_len as usize,
+                )
+                .to_vec()
+            } else {
+                Vec::new()
+            };
+            (kind, e.status, e.id, pd)
+        };
+        // SAFETY: acknowledges the event we got above, exactly once. The id
+        // of a CONNECT_REQUEST stays valid (only the event is freed).
+        unsafe { rdma_ack_cm_event(ev) };
+        let new_id = match (kind, NonNull::new(id)) {
+            (CmEventKind::ConnectRequest, Some(raw)) => Some(CmId {
+                raw,
+                channel: Arc::clone(self),
+            }),
+            _ => None,
+        };
+        Ok(Some(CmEvent {
+            kind,
+            status,
+            new_id,
+            private_data,
+        }))
+    }
+
+    /// Waits for the next event on this channel.
+    pub(crate) async fn next(self: &Arc<Self>) -> io::Result<CmEvent> {
+        loop {
+            let mut guard = self.fd.readable().await?;
+            match self.try_next() {
+                Ok(Some(ev)) => return Ok(ev),
+                Ok(None) => guard.clear_ready(),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on an fd we own; no memory is passed.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// An rdma_cm identifier (`struct rdma_cm_id`), TCP port space.
+pub(crate) struct CmId {
+    raw: NonNull<rdma_cm_id>,
+    channel: Arc<EventChannel>,
+}
+
+// SAFETY: librdmacm ids may be used from any thread; every method here is a
+// syscall wrapper, and the id is destroyed once, in Drop.
+unsafe impl Send for CmId {}
+// SAFETY: see `Send`.
+unsafe impl Sync for CmId {}
+
+fn cm_err(op: &'static str) -> Error {
+    Error::Verbs {
+        op,
+        source: io::Error::last_os_error(),
+    }
+}
+
+impl CmId {
+    /// Creates an id in the TCP port space on `channel`.
+    pub(crate) fn new(channel: &Arc<EventChannel>) -> Result<Self> {
+        let mut id: *mut rdma_cm_id = ptr::null_mut();
+        // SAFETY: valid channel; `id` is written on success.
+        let ret = unsafe {
+            rdma_create_id(
+                channel.raw(),
+                &mut id,
+                ptr::null_mut(),
+                rdma_port_space::RDMA_PS_TCP,
+            )
+        };
+        if ret != 0 {
+            return Err(cm_err("rdma_create_id"));
+        }
+        let raw = NonNull::new(id).ok_or_else(|| cm_err("rdma_create_id"))?;
+        Ok(CmId {
+            raw,
+            channel: Arc::clone(channel),
+        })
+    }
+
+    /// The channel this id reports events on.
+    pub(crate) fn channel(&self) -> &Arc<EventChannel> {
+        &self.channel
+    }
+
+    /// Moves the id (and its future events) to `channel`.
+    pub(crate) fn migrate(&mut self, channel: &Arc<EventChannel>) -> Result<()> {
+        // SAFETY: valid id and channel; every event of this id on the old
+        // channel has been acked (we ack on receipt), so this cannot block.
+        if unsafe { rdma_migrate_id(self.raw.as_ptr(), channel.raw()) } != 0 {
+            return Err(cm_err("rdma_migrate_id"));
+        }
+        self.channel = Arc::clone(channel);
+        Ok(())
+    }
+
+    pub(crate) fn bind(&self, addr: SocketAddr) -> Result<()> {
+        let mut sa = OsSocketAddr::from(addr);
+        // SAFETY: `sa` is a valid sockaddr for the duration of the call.
+        if unsafe { rdma_bind_addr(self.raw.as_ptr(), sa.as_mut_ptr()) } != 0 {
+            return Err(cm_err("rdma_bind_addr"));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn listen(&self, backlog: i32) -> Result<()> {
+        // SAFETY: valid, bound id.
+        if unsafe { rdma_listen(self.raw.as_ptr(), backlog) } != 0 {
+            return Err(cm_err("rdma_listen"));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn resolve_addr(&self, dst: SocketAddr, timeout: Duration) -> Result<()> {
+        let mut sa = OsSocketAddr::from(dst);
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: `sa` is valid for the call; librdmacm copies it.
+        if unsafe { rdma_resolve_addr(self.raw.as_ptr(), ptr::null_mut(), sa.as_mut_ptr(), ms) }
+            != 0
+        {
+            return Err(cm_err("rdma_resolve_addr"));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn resolve_route(&self, timeout: Duration) -> Result<()> {
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: valid id whose address was resolved.
+        if unsafe { rdma_resolve_route(self.raw.as_ptr(), ms) } != 0 {
+            return Err(cm_err("rdma_resolve_route"));
+        }
+        Ok(())
+    }
+
+    fn conn_param(qp_num: u32, private_data: &[u8]) -> rdma_conn_param {
+        rdma_conn_param {
+            private_data: private_data.as_ptr().cast(),
+            private_data_len: u8::try_from(private_data.len()).unwrap_or(u8::MAX),
+            responder_resources: 1,
+            initiator_depth: 1,
+            flow_control: 0,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            srq: 0,
+            qp_num,
+        }
+    }
+
+    /// `rdma_connect` with our QP number and `private_data` (≤ 56 bytes).
+    pub(crate) fn connect(&self, qp_num: u32, private_data: &[u8]) -> Result<()> {
+        let mut p = Self::conn_param(qp_num, private_data);
+        // SAFETY: `p` and the private data it points to live across the call;
+        // librdmacm copies them into the request.
+        if unsafe { rdma_connect(self.raw.as_ptr(), &mut p) } != 0 {
+            return Err(cm_err("rdma_connect"));
+        }
+        Ok(())
+    }
+
+    /// `rdma_accept` with our QP number and `private_data` (≤ 196 bytes).
+    pub(crate) fn accept(&self, qp_num: u32, private_data: &[u8]) -> Result<()> {
+        let mut p = Self::conn_param(qp_num, private_data);
+        // SAFETY: as in `connect`.
+        if unsafe { rdma_accept(self.raw.as_ptr(), &mut p) } != 0 {
+            return Err(cm_err("rdma_accept"));
+        }
+        Ok(())
+    }
+
+    /// `rdma_reject` carrying `private_data`.
+    pub(crate) fn reject(&self, private_data: &[u8]) -> Result<()> {
+        let len = u8::try_from(private_data.len()).unwrap_or(u8::MAX);
+        // SAFETY: the private data outlives the call; librdmacm copies it.
+        if unsafe { rdma_reject(self.raw.as_ptr(), private_data.as_ptr().cast(), len) } != 0 {
+            return Err(cm_err("rdma_reject"));
+        }
+        Ok(())
+    }
+
+    /// `rdma_establish`, after CONNECT_RESPONSE on an id without an rdma_cm QP.
+    pub(crate) fn establish(&self) -> Result<()> {
+        // SAFETY: valid id with a pending connect response.
+        if unsafe { rdma_establish(self.raw.as_ptr()) } != 0 {
+            return Err(cm_err("rdma_establish"));
+        }
+        Ok(())
+    }
+
+    /// `rdma_disconnect`; errors are ignored by callers that tear down anyway.
+    pub(crate) fn disconnect(&self) -> Result<()> {
+        // SAFETY: valid id.
+        if unsafe { rdma_disconnect(self.raw.as_ptr()) } != 0 {
+            return Err(cm_err("rdma_disconnect"));
+        }
+        Ok(())
+    }
+
+    /// The QP attributes rdma_cm computed for moving a QP to `state`
+    /// (`IBV_QPS_INIT`, `IBV_QPS_RTR`, `IBV_QPS_RTS`), with their mask.
+    pub(crate) fn init_qp_attr(&self, state: u32) -> Result<(ibv_qp_attr, i32)> {
+        // SAFETY: ibv_qp_attr is plain C data; all-zero is a valid value.
+        let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = state;
+        let mut mask = 0;
+        // SAFETY: valid id and out-pointers.
+        if unsafe { rdma_init_qp_attr(self.raw.as_ptr(), &mut attr, &mut mask) } != 0 {
+            return Err(cm_err("rdma_init_qp_attr"));
+        }
+        Ok((attr, mask))
+    }
+
+    /// Name of the RDMA device the id is bound to (after address
+    /// resolution or on a connect request), for example `rxe0`.
+    pub(crate) fn device_name(&self) -> Option<String> {
+        // SAFETY: `verbs` is set by librdmacm once bound and stays valid for
+        // the id's life; the device name is a NUL-terminated C string.
+        unsafe {
+            let verbs = self.raw.as_ref().verbs;
+            if verbs.is_null() || (*verbs).device.is_null() {
+                return None;
+            }
+            let name = rdma_mummy_sys::ibv_get_device_name((*verbs).device);
+            if name.is_null() {
+                return None;
+            }
+            Some(CStr::from_ptr(name).to_string_lossy().into_owned())
+        }
+    }
+
+    /// Local address (`rdma_get_local_addr`), including the port.
+    pub(crate) fn local_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: the route's address storage is a sockaddr_storage inside
+        // the id; we copy at most its size.
+        unsafe {
+            let sa = rdma_mummy_sys::rdma_get_local_addr(self.raw.as_ref());
+            sockaddr_to_std(sa)
+        }
+    }
+
+    /// Peer address (`rdma_get_peer_addr`), including the port.
+    pub(crate) fn peer_addr(&self) -> Option<SocketAddr> {
+        // SAFETY: as in `local_addr`.
+        unsafe {
+            let sa = rdma_mummy_sys::rdma_get_peer_addr(self.raw.as_ref());
+            sockaddr_to_std(sa)
+        }
+    }
+}
+
+/// # Safety
+/// `sa` must point to a sockaddr of at least `sizeof(sockaddr_in6)` bytes.
+unsafe fn sockaddr_to_std(sa: &libc::sockaddr) -> Option<SocketAddr> {
+    let len = match i32::from(sa.sa_family) {
+        libc::AF_INET => std::mem::size_of::<libc::sockaddr_in>(),
+        libc::AF_INET6 => std::mem::size_of::<libc::sockaddr_in6>(),
+        _ => return None,
+    };
+    // SAFETY: guaranteed by the caller; `len` matches the family.
+    unsafe { OsSocketAddr::copy_from_raw(sa, len as libc::socklen_t) }.into_addr()
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        // SAFETY: we own the id; all of its events were acked on receipt.
+        // Its QP (if any) is ours and destroyed separately.
+        unsafe { rdma_destroy_id(self.raw.as_ptr()) };
+    }
+}

@@ -1,0 +1,535 @@
+//! One reliable-connected (RC) queue pair with everything it needs: its
+//! completion queue (CQ) and completion channel, its registered send buffer
+//! and receive ring (MRs), on a protection domain (PD) shared per device.
+//!
+//! Teardown order is QP, then MRs, then CQ (after every CQ event has been
+//! acknowledged: `ibv_destroy_cq` blocks otherwise), then the channel; the
+//! PD and device context live in a process-wide registry. The owner must not
+//! drop a [`RcQueuePair`] while the NIC may still touch its memory: the
+//! stream driver only drops it after the QP is in the error state and its
+//! completions are drained, or never connected.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::collections::HashMap;
+use std::io;
+use std::mem::ManuallyDrop;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use rdma_mummy_sys::{
+    ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_modify_qp, ibv_qp_state, ibv_req_notify_cq,
+};
+use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue as _};
+use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
+use sideway::ibverbs::device_context::DeviceContext;
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    BasicQueuePair, PostSendGuard as _, QueuePair as _, SetInlineData as _,
+    SetScatterGatherEntry as _, WorkRequestFlags,
+};
+use tokio::io::unix::AsyncFd;
+
+use super::cm::CmId;
+use crate::error::{Error, Result};
+
+/// An opened device with the protection domain every connection on it shares.
+pub(crate) struct OpenDevice {
+    pub(crate) pd: Arc<ProtectionDomain>,
+    pub(crate) ctx: Arc<DeviceContext>,
+}
+
+/// Opens (once per process) the device called `name` and its PD.
+pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
+    static DEVICES: OnceLock<Mutex<HashMap<String, Arc<OpenDevice>>>> = OnceLock::new();
+    let map = DEVICES.get_or_init(Default::default);
+    let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(d) = map.get(name) {
+        return Ok(Arc::clone(d));
+    }
+    let list = DeviceList::new().map_err(|e| Error::Verbs {
+        op: "ibv_get_device_list",
+        source: io::Error::other(e),
+    })?;
+    let dev = list
+        .iter()
+        .find(|d| d.name() == name)
+        .ok_or_else(|| Error::DeviceNotFound { name: name.into() })?;
+    let ctx = dev.open().map_err(|e| Error::Verbs {
+        op: "ibv_open_device",
+        source: io::Error::other(e),
+    })?;
+    let pd = ctx.alloc_pd().map_err(|e| Error::Verbs {
+        op: "ibv_alloc_pd",
+        source: io::Error::other(e),
+    })?;
+    let d = Arc::new(OpenDevice { pd, ctx });
+    map.insert(name.to_string(), Arc::clone(&d));
+    Ok(d)
+}
+
+/// Page-aligned, zeroed memory registered as one MR.
+pub(crate) struct RegisteredBuffer {
+    // Deregistered in Drop before the memory is freed.
+    mr: ManuallyDrop<Arc<MemoryRegion>>,
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the buffer is plain heap memory owned by this value; access goes
+// through bounds-checked copies.
+unsafe impl Send for RegisteredBuffer {}
+// SAFETY: shared access only copies out through raw pointers (`read_at`).
+unsafe impl Sync for RegisteredBuffer {}
+
+impl RegisteredBuffer {
+    pub(crate) fn new(pd: &Arc<ProtectionDomain>, len: usize, access: AccessFlags) -> Result<Self> {
+        let layout = Layout::from_size_align(len.max(1), 4096).map_err(|_| Error::Verbs {
+            op: "alloc",
+            source: io::Error::from(io::ErrorKind::InvalidInput),
+        })?;
+        // SAFETY: `layout` has non-zero size.
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or(Error::Verbs {
+            op: "alloc",
+            source: io::Error::from(io::ErrorKind::OutOfMemory),
+        })?;
+        // SAFETY: `ptr` is valid for `len` bytes until Drop, which
+        // deregisters the MR (field `mr` drops first) before freeing.
+        let mr = match unsafe { pd.reg_mr(ptr.as_ptr() as usize, len.max(1), access) } {
+            Ok(mr) => mr,
+            Err(e) => {
+                // SAFETY: allocated above with this layout, never registered.
+                unsafe { dealloc(ptr.as_ptr(), layout) };
+                return Err(Error::Verbs {
+                    op: "ibv_reg_mr",
+                    source: io::Error::other(e),
+                });
+            }
+        };
+        Ok(RegisteredBuffer {
+            mr: ManuallyDrop::new(mr),
+            ptr,
+            layout,
+        })
+    }
+
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.layout.size()
+    }
+    pub(crate) fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+    pub(crate) fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+
+    /// Copies `src` into the buffer at `offset`. Panics never: out-of-range
+    /// copies are a bug in the caller and return an error.
+    pub(crate) fn write_at(&self, offset: usize, src: &[u8]) -> io::Result<()> {
+        if offset
+            .checked_add(src.len())
+            .is_none_or(|end| end > self.len())
+        {
+            return Err(io::Error::other("registered buffer write out of range"));
+        }
+        // SAFETY: in range (checked above); `src` cannot alias our private
+        // heap block. The protocol core guarantees the NIC is not reading
+        // this range (it is free send-buffer space).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
+        };
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the buffer.
+    pub(crate) fn read_at(&self, offset: usize, dst: &mut [u8]) -> io::Result<()> {
+        if offset
+            .checked_add(dst.len())
+            .is_none_or(|end| end > self.len())
+        {
+            return Err(io::Error::other("registered buffer read out of range"));
+        }
+        // SAFETY: in range (checked above). The protocol core guarantees the
+        // peer does not write this range (it holds delivered, unreturned data).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        Ok(())
+    }
+}
+
+impl Drop for RegisteredBuffer {
+    fn drop(&mut self) {
+        // SAFETY: the MR is dropped (deregistered) exactly once, here, and
+        // only then the memory it covered is freed with the layout it was
+        // allocated with. The Arc never leaves this struct, so this is the
+        // last reference.
+        unsafe {
+            ManuallyDrop::drop(&mut self.mr);
+            dealloc(self.ptr.as_ptr(), self.layout);
+        }
+    }
+}
+
+/// Sizes of one RC queue pair's resources.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RcSizes {
+    /// Send queue depth (max outstanding send WRs).
+    pub send_depth: u32,
+    /// Receive queue depth (receive WRs kept posted).
+    pub recv_depth: u32,
+    /// Inline data requested (bytes); the provider may grant less or more.
+    pub max_inline: u32,
+    /// Registered send buffer (bytes).
+    pub send_buf: usize,
+    /// Registered receive ring the peer writes into (bytes).
+    pub recv_ring: usize,
+}
+
+/// Completion status as the runtime needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WcKind {
+    /// A send-queue WR completed (RDMA WRITE [WITH IMM]).
+    Send,
+    /// An RDMA WRITE WITH IMM landed and consumed a receive WR.
+    RecvImm,
+    /// Any other opcode (not used by this crate).
+    Other,
+}
+
+/// One work completion, copied out of the CQ.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Completion {
+    pub wr_id: u64,
+    /// `IBV_WC_SUCCESS` (0) or the failure status (`ibv_wc_status`).
+    pub status: u32,
+    pub kind: WcKind,
+    /// Immediate data in host byte order (RecvImm only).
+    pub imm: u32,
+}
+
+/// Wraps the completion channel for AsyncFd registration.
+struct ChannelFd(Arc<CompletionChannel>);
+impl AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// Receive WRs carry this wr_id bit so send and receive completions are
+/// told apart even on providers that report odd opcodes on errors.
+pub(crate) const RECV_WR_FLAG: u64 = 1 << 63;
+
+/// An RC QP, its CQ and completion channel, and its two registered buffers.
+pub(crate) struct RcQueuePair {
+    // Drop order: QP, buffers, CQ, channel fd. Events are acked in Drop first.
+    qp: BasicQueuePair,
+    pub(crate) send_buf: RegisteredBuffer,
+    pub(crate) recv_ring: RegisteredBuffer,
+    cq: Arc<BasicCompletionQueue>,
+    events: AsyncFd<ChannelFd>,
+    unacked_events: u32,
+    max_inline: u32,
+    recv_depth: u32,
+    _device: Arc<OpenDevice>,
+}
+
+fn verbs(op: &'static str) -> impl FnOnce(io::Error) -> Error {
+    move |source| Error::Verbs { op, source }
+}
+
+impl RcQueuePair {
+    /// Creates the CQ (with a non-blocking completion channel registered on
+    /// the current tokio runtime), the QP in RESET, and both buffers.
+    pub(crate) fn new(device: Arc<OpenDevice>, sizes: RcSizes) -> Result<Self> {
+        let chan = CompletionChannel::new(&device.ctx).map_err(|e| Error::Verbs {
+            op: "ibv_create_comp_channel",
+            source: io::Error::other(e),
+        })?;
+        chan.set_nonblocking(true)
+            .map_err(verbs("fcntl(O_NONBLOCK)"))?;
+        let cq = device
+            .ctx
+            .create_cq_builder()
+            .setup_cqe(sizes.send_depth + sizes.recv_depth + 16)
+            .setup_comp_channel(&chan, 0)
+            .build()
+            .map_err(|e| Error::Verbs {
+                op: "ibv_create_cq",
+                source: io::Error::other(e),
+            })?;
+        let qp = device
+            .pd
+            .create_qp_builder()
+            .setup_max_send_wr(sizes.send_depth)
+            .setup_max_recv_wr(sizes.recv_depth)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            .setup_max_inline_data(sizes.max_inline)
+            .setup_send_cq(Arc::clone(&cq))
+            .setup_recv_cq(Arc::clone(&cq))
+            .build()
+            .map_err(|e| Error::Verbs {
+                op: "ibv_create_qp",
+                source: io::Error::other(e),
+            })?;
+        let send_buf = RegisteredBuffer::new(&device.pd, sizes.send_buf, AccessFlags::LocalWrite)?;
+        let recv_ring = RegisteredBuffer::new(
+            &device.pd,
+            sizes.recv_ring,
+            AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+        )?;
+        // SAFETY: the channel's fd stays open for as long as the Arc we hand
+        // to AsyncFd lives, and AsyncFd owns that Arc.
+        let events = unsafe {
+            AsyncFd::register_with_interest(ChannelFd(chan), tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| Error::Verbs {
+            op: "AsyncFd::register",
+            source: e.into(),
+        })?;
+        Ok(RcQueuePair {
+            qp,
+            send_buf,
+            recv_ring,
+            cq,
+            events,
+            unacked_events: 0,
+            max_inline: sizes.max_inline,
+            recv_depth: sizes.recv_depth,
+            _device: device,
+        })
+    }
+
+    /// QP number, for the rdma_cm connect/accept parameters.
+    pub(crate) fn qp_num(&self) -> u32 {
+        self.qp.qp_number()
+    }
+
+    /// Largest inline payload requested at creation (bytes).
+    pub(crate) fn max_inline(&self) -> u32 {
+        self.max_inline
+    }
+
+    /// Moves the QP to `state` (INIT, RTR or RTS) with the attributes rdma_cm
+    /// computed for `id`.
+    pub(crate) fn modify_from_cm(&mut self, id: &CmId, state: u32) -> Result<()> {
+        let (mut attr, mask) = id.init_qp_attr(state)?;
+        // SAFETY: the QP is valid; `attr`/`mask` come from rdma_init_qp_attr
+        // for this transition.
+        let ret = unsafe { ibv_modify_qp(self.qp.qp().as_ptr(), &mut attr, mask) };
+        if ret != 0 {
+            return Err(Error::Verbs {
+                op: "ibv_modify_qp",
+                source: io::Error::from_raw_os_error(ret),
+            });
+        }
+        Ok(())
+    }
+
+    /// Brings the QP to INIT, posts `recv_depth` receive WRs (a QP in RESET
+    /// takes none), then unless `init_only` on to RTR and RTS.
+    pub(crate) fn connect_from_cm(&mut self, id: &CmId, init_only: bool) -> Result<()> {
+        self.modify_from_cm(id, ibv_qp_state::IBV_QPS_INIT)?;
+        self.post_recvs(self.recv_depth)?;
+        if !init_only {
+            self.modify_from_cm(id, ibv_qp_state::IBV_QPS_RTR)?;
+            self.modify_from_cm(id, ibv_qp_state::IBV_QPS_RTS)?;
+        }
+        Ok(())
+    }
+
+    /// Moves the QP to the error state: outstanding WRs complete with
+    /// "flushed" status, and the NIC stops touching our memory.
+    pub(crate) fn set_error(&mut self) {
+        // SAFETY: ibv_qp_attr is plain data; only qp_state is read with
+        // IBV_QP_STATE.
+        let mut attr: rdma_mummy_sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+        attr.qp_state = ibv_qp_state::IBV_QPS_ERR;
+        // SAFETY: valid QP; the mask names only the state.
+        unsafe {
+            ibv_modify_qp(
+                self.qp.qp().as_ptr(),
+                &mut attr,
+                rdma_mummy_sys::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32,
+            )
+        };
+    }
+
+    /// Posts `n` zero-length receive WRs (RDMA WRITE WITH IMM needs one each).
+    pub(crate) fn post_recvs(&mut self, n: u32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let mut guard = self.qp.start_post_recv();
+        for _ in 0..n {
+            guard.construct_wr(RECV_WR_FLAG);
+        }
+        guard.post().map_err(|e| Error::Verbs {
+            op: "ibv_post_recv",
+            source: io::Error::other(e),
+        })
+    }
+
+    /// Posts one RDMA WRITE WITH IMM of `len` bytes from the send buffer at
+    /// `local_offset` to `remote_addr` (rkey `rkey`); `len == 0` posts a
+    /// control message. `inline` copies the payload into the WQE.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn post_write_imm(
+        &mut self,
+        wr_id: u64,
+        local_offset: u32,
+        len: u32,
+        remote_addr: u64,
+        rkey: u32,
+        imm: u32,
+        signaled: bool,
+        inline: bool,
+    ) -> Result<()> {
+        let flags = if signaled {
+            WorkRequestFlags::Signaled
+        } else {
+            WorkRequestFlags::none()
+        };
+        let mut tmp = Vec::new();
+        if len > 0 && inline {
+            tmp.resize(len as usize, 0);
+            self.send_buf
+                .read_at(local_offset as usize, &mut tmp)
+                .map_err(verbs("inline copy"))?;
+        }
+        let lkey = self.send_buf.lkey();
+        let laddr = self.send_buf.addr() + u64::from(local_offset);
+        let mut guard = self.qp.start_post_send();
+        let wr = guard
+            .construct_wr(wr_id, flags)
+            .setup_write_imm(rkey, remote_addr, imm.to_be());
+        if len > 0 {
+            if inline {
+                wr.setup_inline_data(&tmp);
+            } else {
+                // SAFETY: the range lies in our registered send buffer (the
+                // core hands out offsets inside it) and stays allocated until
+                // the QP is destroyed, which happens first in Drop.
+                unsafe { wr.setup_sge(lkey, laddr, len) };
+            }
+        }
+        guard.post().map_err(|e| Error::Verbs {
+            op: "ibv_post_send",
+            source: io::Error::other(e),
+        })
+    }
+
+    /// Drains the CQ into `out` without blocking.
+    pub(crate) fn poll(&self, out: &mut Vec<Completion>) -> Result<()> {
+        use sideway::ibverbs::completion::PollCompletionQueueError;
+        match self.cq.start_poll() {
+            Ok(poller) => {
+                for wc in poller {
+                    let kind = match wc.opcode() {
+                        rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RDMA_WRITE
+                        | rdma_mummy_sys::ibv_wc_opcode::IBV_WC_SEND => WcKind::Send,
+                        rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => WcKind::RecvImm,
+                        _ => WcKind::Other,
+                    };
+                    out.push(Completion {
+                        wr_id: wc.wr_id(),
+                        status: wc.status(),
+                        kind,
+                        imm: u32::from_be(wc.imm_data()),
+                    });
+                }
+                Ok(())
+            }
+            Err(PollCompletionQueueError::CompletionQueueEmpty) => Ok(()),
+            Err(e) => Err(Error::Verbs {
+                op: "ibv_poll_cq",
+                source: io::Error::other(e),
+            }),
+        }
+    }
+
+    fn raw_cq(&self) -> *mut ibv_cq {
+        // SAFETY: only used while `self.cq` is alive.
+        unsafe { self.cq.cq().as_ptr() }
+    }
+
+    /// Requests a completion event for the next completion (`ibv_req_notify_cq`).
+    pub(crate) fn arm(&self) -> Result<()> {
+        // SAFETY: valid CQ.
+        let ret = unsafe { ibv_req_notify_cq(self.raw_cq(), 0) };
+        if ret != 0 {
+            return Err(Error::Verbs {
+                op: "ibv_req_notify_cq",
+                source: io::Error::from_raw_os_error(ret),
+            });
+        }
+        Ok(())
+    }
+
+    /// Consumes pending completion events without blocking; returns how many.
+    /// Events are acknowledged in batches of 16 (and all of them in Drop).
+    pub(crate) fn take_events(&mut self) -> usize {
+        let mut n = 0;
+        loop {
+            let mut cq: *mut ibv_cq = std::ptr::null_mut();
+            let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+            // SAFETY: valid, non-blocking channel owned by `events`;
+            // out-pointers are locals.
+            let ret = unsafe {
+                ibv_get_cq_event(
+                    self.events.get_ref().0.comp_channel().as_ptr(),
+                    &mut cq,
+                    &mut ctx,
+                )
+            };
+            if ret != 0 {
+                break;
+            }
+            n += 1;
+            self.unacked_events += 1;
+        }
+        if self.unacked_events >= 16 {
+            // SAFETY: acknowledges events we got from this CQ's channel.
+            unsafe { ibv_ack_cq_events(self.raw_cq(), self.unacked_events) };
+            self.unacked_events = 0;
+        }
+        n
+    }
+
+    /// Polls readiness of the completion channel.
+    pub(crate) fn poll_readable(
+        &self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        match self.events.poll_read_ready(cx) {
+            std::task::Poll::Ready(Ok(mut g)) => {
+                g.clear_ready();
+                std::task::Poll::Ready(Ok(()))
+            }
+            std::task::Poll::Ready(Err(e)) => std::task::Poll::Ready(Err(e)),
+            std::task::Poll::Pending => std::task::Poll::Pending,
+        }
+    }
+}
+
+impl Drop for RcQueuePair {
+    fn drop(&mut self) {
+        // Collect any queued events so the CQ can be destroyed.
+        let _ = self.take_events();
+        if self.unacked_events > 0 {
+            // SAFETY: acknowledges events we got from this CQ's channel.
+            unsafe { ibv_ack_cq_events(self.raw_cq(), self.unacked_events) };
+            self.unacked_events = 0;
+        }
+    }
+}
