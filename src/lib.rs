@@ -31,3 +31,16 @@ pub use stats::ConnectionStats;
 pub use stream::{
     OwnedReadHalf, OwnedWriteHalf, RdmaListener, RdmaStream, ReadHalf, ReuniteError, WriteHalf,
 };
+
+/// Hooks for the guest test suite (feature `guest-tests`); not a stable API.
+#[cfg(feature = "guest-tests")]
+#[doc(hidden)]
+pub mod __testing {
+    use std::net::SocketAddr;
+
+    /// Sends an rdma_cm connect request carrying `private_data` verbatim
+    /// (for example a bad handshake) and reports how the server answered.
+    pub async fn connect_with_private_data(addr: SocketAddr, private_data: &[u8]) -> crate::Result<()> {
+        crate::stream::raw_connect(addr, private_data).await
+    }
+}

@@ -1745,6 +1745,10 @@ fn explore(a: Cfg, b: Cfg, total: usize) -> usize {
             continue;
         }
         assert!(seen.len() < 3_000_000, "state space unexpectedly large");
+        if seen.len() % 100_000 == 0 {
+            let max_wr = pair.s.iter().map(|s| s.posted).max();
+            eprintln!("{} states, stack {}, wr {max_wr:?}", seen.len(), stack.len());
+        }
         pair.assert_conservation();
         pair.assert_blocked_side_can_be_unblocked();
         let mut successors = 0;
@@ -1752,6 +1756,7 @@ fn explore(a: Cfg, b: Cfg, total: usize) -> usize {
             for side in &mut next.s {
                 side.log.clear();
                 side.events.clear();
+                side.core.forget_stalls();
             }
             successors += 1;
             stack.push(next);
@@ -1812,6 +1817,7 @@ fn exhaustive_small_configurations_never_deadlock() {
         max_write_len: 2,
     };
     let cases = [
+        (tiny, tiny, 1),
         (tiny, tiny, 2),
         (
             Cfg {

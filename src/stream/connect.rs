@@ -111,3 +111,23 @@ async fn connect_inner(addr: SocketAddr, cfg: &RdmaConfig) -> Result<Arc<Conn>> 
         cfg,
     )
 }
+
+/// Test hook: a connect request with arbitrary private data. `Ok(())` if the
+/// server accepted (the connection is then dropped), the server's answer as
+/// an error otherwise.
+#[cfg(feature = "guest-tests")]
+pub(crate) async fn raw_connect(addr: SocketAddr, private_data: &[u8]) -> Result<()> {
+    let cfg = RdmaConfig::default();
+    let channel = EventChannel::new()?;
+    let id = CmId::new(&channel)?;
+    id.resolve_addr(addr, cfg.resolve_timeout)?;
+    expect(&channel, addr, CmEventKind::AddrResolved).await?;
+    id.resolve_route(cfg.resolve_timeout)?;
+    expect(&channel, addr, CmEventKind::RouteResolved).await?;
+    let (_dev, mut qp, _device) = conn::new_qp(&id, &cfg)?;
+    qp.connect_from_cm(&id, true)?;
+    id.connect(qp.qp_num(), private_data)?;
+    expect(&channel, addr, CmEventKind::ConnectResponse).await?;
+    let _ = id.disconnect();
+    Ok(())
+}

@@ -15,6 +15,8 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::ToSocketAddrs;
 
+#[cfg(feature = "guest-tests")]
+pub(crate) use connect::raw_connect;
 pub use listener::RdmaListener;
 pub use split::{OwnedReadHalf, OwnedWriteHalf, ReadHalf, ReuniteError, WriteHalf};
 

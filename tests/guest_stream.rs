@@ -1,0 +1,371 @@
+//! Guest tests for RdmaStream/RdmaListener (run inside the Soft-RoCE guest
+//! by `scripts/test`; they fail, never skip, without rxe0).
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rdma::proto::RejectReason;
+use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
+
+const IP: &str = "10.11.0.1";
+
+fn pattern(seed: u64, i: u64) -> u8 {
+    (i.wrapping_mul(0x9E37_79B9).wrapping_add(seed) >> 7) as u8 ^ (i as u8)
+}
+
+async fn bind(cfg: &RdmaConfig) -> RdmaListener {
+    RdmaListener::bind_with(format!("{IP}:0"), cfg)
+        .await
+        .expect("bind on rxe0's address")
+}
+
+/// Echo everything until EOF, then half-close.
+async fn echo(mut s: RdmaStream) -> io::Result<u64> {
+    let mut buf = vec![0u8; 32 * 1024];
+    let mut total = 0;
+    loop {
+        let n = s.read(&mut buf).await?;
+        if n == 0 {
+            s.shutdown().await?;
+            return Ok(total);
+        }
+        s.write_all(&buf[..n]).await?;
+        total += n as u64;
+    }
+}
+
+/// Writes `len` pattern bytes and half-closes while reading the echo;
+/// checks every byte and the final EOF. Returns bytes echoed.
+async fn echo_roundtrip(s: RdmaStream, seed: u64, len: u64, chunk: usize) -> io::Result<u64> {
+    let (mut rd, mut wr) = s.into_split();
+    let writer = tokio::spawn(async move {
+        let mut buf = vec![0u8; chunk];
+        let mut sent = 0u64;
+        while sent < len {
+            let n = (len - sent).min(chunk as u64) as usize;
+            for (k, b) in buf[..n].iter_mut().enumerate() {
+                *b = pattern(seed, sent + k as u64);
+            }
+            wr.write_all(&buf[..n]).await?;
+            sent += n as u64;
+        }
+        wr.shutdown().await?;
+        Ok::<_, io::Error>(wr)
+    });
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0u64;
+    loop {
+        let n = rd.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        for (k, &b) in buf[..n].iter().enumerate() {
+            let i = got + k as u64;
+            assert_eq!(b, pattern(seed, i), "byte {i} of {len} differs");
+        }
+        got += n as u64;
+    }
+    let wr = writer.await.expect("writer task")?;
+    let s = rd.reunite(wr).expect("halves of one stream");
+    drop(s);
+    Ok(got)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_sizes_across_ring_wrap() {
+    // Odd ring and send-buffer sizes make every transfer wrap both.
+    let cfg = RdmaConfig::new().ring_size(8191).send_buffer_size(5003);
+    let l = bind(&cfg).await;
+    let addr = l.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let mut totals = Vec::new();
+        for _ in 0..5 {
+            let (s, _) = l.accept().await.unwrap();
+            totals.push(echo(s).await.unwrap());
+        }
+        totals
+    });
+    let sizes = [0u64, 1, 4095, 4097, 1 << 20];
+    for (i, &len) in sizes.iter().enumerate() {
+        let s = RdmaStream::connect_with(addr, &cfg).await.unwrap();
+        assert_eq!(s.peer_addr().unwrap(), addr);
+        assert_eq!(s.device(), "rxe0");
+        let got = echo_roundtrip(s, i as u64, len, 3001).await.unwrap();
+        assert_eq!(got, len);
+    }
+    assert_eq!(server.await.unwrap(), sizes.to_vec());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_256_mib() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let (s, _) = l.accept().await.unwrap();
+        echo(s).await.unwrap()
+    });
+    let s = RdmaStream::connect(addr).await.unwrap();
+    let len = 256u64 << 20;
+    assert_eq!(echo_roundtrip(s, 7, len, 64 * 1024).await.unwrap(), len);
+    assert_eq!(server.await.unwrap(), len);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_concurrent_connections_both_ways() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let mut tasks = Vec::new();
+        for _ in 0..100 {
+            let (s, _) = l.accept().await.unwrap();
+            tasks.push(tokio::spawn(echo(s)));
+        }
+        let mut sum = 0;
+        for t in tasks {
+            sum += t.await.unwrap().unwrap();
+        }
+        sum
+    });
+    let clients: Vec<_> = (0..100u64)
+        .map(|c| {
+            tokio::spawn(async move {
+                let s = RdmaStream::connect(addr).await.unwrap();
+                echo_roundtrip(s, c, 1 << 20, 16 * 1024).await.unwrap()
+            })
+        })
+        .collect();
+    for c in clients {
+        assert_eq!(c.await.unwrap(), 1 << 20);
+    }
+    assert_eq!(server.await.unwrap(), 100 << 20);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_close_both_ways() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let reply: Vec<u8> = (0..100_000u64).map(|i| pattern(3, i)).collect();
+    let reply2 = reply.clone();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut req = Vec::new();
+        s.read_to_end(&mut req).await.unwrap(); // EOF after the client's shutdown
+        s.write_all(&reply2).await.unwrap(); // still allowed after reading EOF
+        s.shutdown().await.unwrap();
+        let mut tail = [0u8; 1];
+        assert_eq!(s.read(&mut tail).await.unwrap(), 0, "EOF stays EOF");
+        req
+    });
+    let mut c = RdmaStream::connect(addr).await.unwrap();
+    c.write_all(b"request body").await.unwrap();
+    c.shutdown().await.unwrap();
+    let err = c.write(b"x").await.unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
+    let mut got = Vec::new();
+    c.read_to_end(&mut got).await.unwrap();
+    assert_eq!(got, reply);
+    assert_eq!(c.read(&mut [0u8; 8]).await.unwrap(), 0);
+    assert_eq!(server.await.unwrap(), b"request body");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_blocks_instead_of_returning_zero() {
+    // The server neither reads nor drains its ring (recv_buffer_limit 0), so
+    // the client can buffer exactly its send buffer plus the server's ring.
+    let server_cfg = RdmaConfig::new().ring_size(8191).recv_buffer_limit(0);
+    let client_cfg = RdmaConfig::new().send_buffer_size(5003);
+    let l = bind(&server_cfg).await;
+    let addr = l.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        rx.await.unwrap();
+        let mut all = Vec::new();
+        s.read_to_end(&mut all).await.unwrap();
+        all
+    });
+    let mut c = RdmaStream::connect_with(addr, &client_cfg).await.unwrap();
+    let mut accepted = 0usize;
+    let mut written = Vec::new();
+    loop {
+        let chunk: Vec<u8> = (0..1000u64).map(|i| pattern(9, accepted as u64 + i)).collect();
+        match tokio::time::timeout(Duration::from_secs(3), c.write(&chunk)).await {
+            Ok(Ok(n)) => {
+                assert!(n > 0, "poll_write returned Ok(0) for a non-empty buffer");
+                written.extend_from_slice(&chunk[..n]);
+                accepted += n;
+            }
+            Ok(Err(e)) => panic!("write failed: {e}"),
+            Err(_) => break, // Pending: the peer's ring and our send buffer are full
+        }
+    }
+    assert_eq!(accepted, 8191 + 5003);
+    assert!(c.stats().credit_stalls >= 1);
+    tx.send(()).unwrap();
+    c.shutdown().await.unwrap();
+    assert_eq!(server.await.unwrap(), written);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drop_right_after_write_all_delivers_everything() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let data: Vec<u8> = (0..(1u64 << 20)).map(|i| pattern(5, i)).collect();
+    let mut c = RdmaStream::connect(addr).await.unwrap();
+    let (s, _) = l.accept().await.unwrap();
+    c.write_all(&data).await.unwrap();
+    drop(c);
+    let mut s = s;
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).await.unwrap();
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "delivered bytes differ");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_without_listener_is_refused() {
+    let err = RdmaStream::connect(format!("{IP}:1")).await.unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
+    assert!(matches!(inner, Some(Error::ConnectionRefused { .. })), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_raced_against_timer_loses_nothing() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let clients = tokio::spawn(async move {
+        for i in 0..20u8 {
+            let mut s = RdmaStream::connect(addr).await.unwrap();
+            s.write_all(&[i]).await.unwrap();
+            s.shutdown().await.unwrap();
+            let mut ack = [0u8; 1];
+            s.read_exact(&mut ack).await.unwrap();
+            assert_eq!(ack[0], i);
+        }
+    });
+    let mut seen = Vec::new();
+    let mut timeouts = 0u32;
+    while seen.len() < 20 {
+        tokio::select! {
+            r = l.accept() => {
+                let (mut s, _) = r.unwrap();
+                let mut b = [0u8; 1];
+                s.read_exact(&mut b).await.unwrap();
+                s.write_all(&b).await.unwrap();
+                seen.push(b[0]);
+            }
+            _ = tokio::time::sleep(Duration::from_micros(500)) => timeouts += 1,
+        }
+    }
+    clients.await.unwrap();
+    assert_eq!(seen, (0..20u8).collect::<Vec<_>>());
+    assert!(timeouts > 0, "the timer branch must have won some races");
+}
+
+fn hello_bytes(magic: u32, version: u16) -> Vec<u8> {
+    let mut h = vec![0u8; 32];
+    h[0..4].copy_from_slice(&magic.to_be_bytes());
+    h[4..6].copy_from_slice(&version.to_be_bytes());
+    h[6] = 1; // byte stream
+    h[8..16].copy_from_slice(&0x1000u64.to_be_bytes());
+    h[16..20].copy_from_slice(&1u32.to_be_bytes());
+    h[20..24].copy_from_slice(&65536u32.to_be_bytes());
+    h[24..26].copy_from_slice(&64u16.to_be_bytes());
+    h
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let (s, _) = l.accept().await.unwrap();
+        echo(s).await.unwrap()
+    });
+    let cases: [(Vec<u8>, RejectReason); 3] = [
+        (hello_bytes(0xDEAD_BEEF, 1), RejectReason::BadMagic),
+        (hello_bytes(0x544B_5244, 99), RejectReason::UnsupportedVersion),
+        (hello_bytes(0x544B_5244, 1)[..10].to_vec(), RejectReason::Malformed),
+    ];
+    for (bytes, want) in cases {
+        match tokio_rdma::__testing::connect_with_private_data(addr, &bytes).await {
+            Err(Error::HandshakeRejected {
+                reason, server_version, ..
+            }) => {
+                assert_eq!(reason, want);
+                assert_eq!(server_version, 1);
+            }
+            other => panic!("expected a reject with {want:?}, got {other:?}"),
+        }
+    }
+    let s = RdmaStream::connect(addr).await.unwrap();
+    assert_eq!(echo_roundtrip(s, 1, 4096, 4096).await.unwrap(), 4096);
+    assert_eq!(server.await.unwrap(), 4096);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_process_is_an_error_not_eof() {
+    let exe = std::env::current_exe().unwrap();
+    let echo_bin = exe.parent().unwrap().parent().unwrap().join("examples").join("echo");
+    assert!(echo_bin.exists(), "{} must be built (cargo test builds examples)", echo_bin.display());
+    let addr: SocketAddr = format!("{IP}:7633").parse().unwrap();
+    let mut child = tokio::process::Command::new(&echo_bin)
+        .args(["server", &addr.to_string()])
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut s = None;
+    for _ in 0..100 {
+        match RdmaStream::connect(addr).await {
+            Ok(c) => {
+                s = Some(c);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let s = s.expect("echo server came up");
+    let (mut rd, mut wr) = s.into_split();
+    let writer = tokio::spawn(async move {
+        let buf = vec![0x5Au8; 16 * 1024];
+        loop {
+            if let Err(e) = wr.write_all(&buf).await {
+                return e;
+            }
+        }
+    });
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0usize;
+    while got < 1 << 20 {
+        let n = rd.read(&mut buf).await.unwrap();
+        assert!(n > 0, "EOF before the kill");
+        got += n;
+    }
+    child.kill().await.unwrap();
+    let read_err = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) => panic!("EOF after the peer was killed: must be an error"),
+                Ok(_) => continue,
+                Err(e) => return e,
+            }
+        }
+    })
+    .await
+    .expect("the read must fail within 60 s");
+    assert!(
+        matches!(read_err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted),
+        "{read_err:?}"
+    );
+    let write_err = tokio::time::timeout(Duration::from_secs(60), writer)
+        .await
+        .expect("the write must fail within 60 s")
+        .unwrap();
+    assert!(
+        matches!(write_err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted),
+        "{write_err:?}"
+    );
+}
