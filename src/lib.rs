@@ -40,7 +40,10 @@ pub mod __testing {
 
     /// Sends an rdma_cm connect request carrying `private_data` verbatim
     /// (for example a bad handshake) and reports how the server answered.
-    pub async fn connect_with_private_data(addr: SocketAddr, private_data: &[u8]) -> crate::Result<()> {
+    pub async fn connect_with_private_data(
+        addr: SocketAddr,
+        private_data: &[u8],
+    ) -> crate::Result<()> {
         crate::stream::raw_connect(addr, private_data).await
     }
 }

@@ -24,3 +24,20 @@ fn no_rdma_device_is_a_typed_error() {
     let io: io::Error = err.into();
     assert_eq!(io.kind(), io::ErrorKind::NotFound);
 }
+
+#[tokio::test]
+async fn connect_and_bind_without_device_give_no_device() {
+    let err = tokio_rdma::RdmaStream::connect("10.11.0.1:7471")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+    let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
+    assert!(matches!(inner, Some(Error::NoDevice)), "{err:?}");
+
+    let err = tokio_rdma::RdmaListener::bind("0.0.0.0:0")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+    let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
+    assert!(matches!(inner, Some(Error::NoDevice)), "{err:?}");
+}

@@ -1,6 +1,19 @@
 //! The sans-IO protocol core: handshake encoding and the stream state
 //! machine. No I/O, no clock, no `unsafe`; driven by the runtime layer and
 //! tested deterministically in memory.
+//!
+//! - [`handshake`]: the [`Hello`] exchanged in rdma_cm private data (where
+//!   each side's receive ring is) and the reject message.
+//! - [`imm`]: the 32-bit immediate data of every RDMA WRITE WITH IMMEDIATE
+//!   (DATA, CREDIT, FIN, ABORT).
+//! - [`stream`]: [`StreamCore`], the byte-stream state machine (ring
+//!   cursors, credits, selective signaling, half-close, abort), with the
+//!   argument for why its credit scheme cannot deadlock.
+//! - [`error`]: [`ProtocolError`] (the peer broke the protocol) and
+//!   [`WriteError`] (why a write is refused).
+//!
+//! Nothing here panics on input from the peer: every malformed handshake or
+//! message is a typed error.
 #![forbid(unsafe_code)]
 
 pub mod error;

@@ -74,6 +74,8 @@ pub(crate) struct State {
     /// Number of live application handles (stream or halves).
     handles: usize,
     pub(crate) stats: ConnectionStats,
+    /// Reused buffer for polled completions.
+    scratch: Vec<Completion>,
 }
 
 impl State {
@@ -233,7 +235,38 @@ impl State {
     }
 
     /// Drains the CQ and does all follow-up work. Returns completions seen.
-    fn progress(&mut self, scratch: &mut Vec<Completion>) -> usize {
+    /// Drain, arm, drain again: completion channels are edge triggered, so
+    /// a completion that lands between the drain and the arm would otherwise
+    /// never raise an event.
+    pub(crate) fn progress_and_arm(&mut self) -> usize {
+        let mut n = self.progress();
+        if let Err(e) = self.qp.arm() {
+            self.fail(ConnError::new(
+                io::ErrorKind::ConnectionAborted,
+                e.to_string(),
+            ));
+        }
+        n += self.progress();
+        n
+    }
+
+    /// Whether `poll_read` has something to return (data, EOF or an error).
+    fn read_ready(&self) -> bool {
+        !self.backlog.is_empty()
+            || !self.ring_pending.is_empty()
+            || self.core.readable_eof()
+            || self.error.is_some()
+            || self.peer_gone
+    }
+
+    pub(crate) fn progress(&mut self) -> usize {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let n = self.progress_with(&mut scratch);
+        self.scratch = scratch;
+        n
+    }
+
+    fn progress_with(&mut self, scratch: &mut Vec<Completion>) -> usize {
         scratch.clear();
         if let Err(e) = self.qp.poll(scratch) {
             self.fail(ConnError::new(
@@ -272,6 +305,7 @@ pub(crate) struct Conn {
     pub(crate) peer_addr: SocketAddr,
     pub(crate) qp_num: u32,
     pub(crate) device: String,
+    busy_poll: std::time::Duration,
     nodelay: std::sync::atomic::AtomicBool,
 }
 
@@ -280,6 +314,43 @@ static CONN_IDS: AtomicU64 = AtomicU64::new(1);
 impl Conn {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// With nothing to read: poll the CQ ourselves (spinning up to the
+    /// busy-poll budget), and register this task on the completion channel
+    /// directly, so an arriving completion wakes the reader without a hop
+    /// through the driver task.
+    fn wait_readable<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        cx: &mut Context<'_>,
+    ) -> MutexGuard<'a, State> {
+        st.progress();
+        if !self.busy_poll.is_zero() && !st.read_ready() {
+            let start = Instant::now();
+            while !st.read_ready() && start.elapsed() < self.busy_poll {
+                drop(st);
+                std::hint::spin_loop();
+                st = self.lock();
+                st.progress();
+            }
+        }
+        let events = st.qp.cq_events();
+        while !st.read_ready() {
+            st.progress_and_arm();
+            if st.read_ready() {
+                break;
+            }
+            match events.poll_read_ready(cx) {
+                Poll::Ready(Ok(mut guard)) => {
+                    st.qp.take_events();
+                    guard.clear_ready();
+                }
+                // Pending: registered; an error: leave it to the driver.
+                _ => break,
+            }
+        }
+        st
     }
 
     pub(crate) fn set_nodelay(&self, v: bool) {
@@ -312,6 +383,9 @@ impl Conn {
         let mut st = self.lock();
         if buf.remaining() == 0 {
             return Poll::Ready(Ok(()));
+        }
+        if !st.read_ready() {
+            st = self.wait_readable(st, cx);
         }
         let mut copied = 0;
         while buf.remaining() > 0 {
@@ -563,6 +637,7 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
         peer_gone: false,
         handles: 1,
         stats: ConnectionStats::default(),
+        scratch: Vec::with_capacity(64),
     };
     let conn = Arc::new(Conn {
         state: Mutex::new(state),
@@ -571,6 +646,7 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
         peer_addr: est.peer_addr,
         qp_num,
         device: est.device,
+        busy_poll: cfg.busy_poll,
         nodelay: std::sync::atomic::AtomicBool::new(true),
     });
     let span = tracing::debug_span!(
@@ -583,7 +659,6 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
     let driver = Driver {
         conn: Arc::clone(&conn),
         id: est.id,
-        busy_poll: cfg.busy_poll,
     };
     tokio::spawn(driver.run().instrument(span));
     Ok(conn)
@@ -592,62 +667,36 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
 struct Driver {
     conn: Arc<Conn>,
     id: CmId,
-    busy_poll: std::time::Duration,
 }
 
 impl Driver {
     async fn run(self) {
-        let Driver {
-            conn,
-            id,
-            busy_poll,
-        } = self;
+        let Driver { conn, id } = self;
         debug!("connection established");
         let channel = Arc::clone(id.channel());
-        let mut scratch = Vec::with_capacity(64);
+        let cq_events = conn.lock().qp.cq_events();
         let mut fin_requested = false;
         loop {
-            // Drain, arm, drain again (completion channels are edge
-            // triggered: a completion between the drain and the arm would
-            // otherwise never raise an event).
             let done = {
                 let mut st = conn.lock();
-                let mut n = st.progress(&mut scratch);
-                if n == 0 && !busy_poll.is_zero() && st.error.is_none() {
-                    let start = Instant::now();
-                    while n == 0 && start.elapsed() < busy_poll {
-                        drop(st);
-                        std::hint::spin_loop();
-                        st = conn.lock();
-                        n = st.progress(&mut scratch);
-                    }
-                }
-                if let Err(e) = st.qp.arm() {
-                    st.fail(ConnError::new(
-                        io::ErrorKind::ConnectionAborted,
-                        e.to_string(),
-                    ));
-                }
-                st.progress(&mut scratch);
+                st.progress_and_arm();
                 if st.handles == 0 && !fin_requested && st.error.is_none() && !st.peer_gone {
                     // All handles dropped: close like TCP, FIN after the data.
                     fin_requested = true;
                     st.core.shutdown();
                     st.transmit();
                 }
-                let lingering =
-                    st.handles == 0 && st.error.is_none() && !st.peer_gone && !st.core.all_sent();
-                (st.handles == 0 && !lingering) || (st.error.is_some() && st.handles == 0)
+                let lingering = st.error.is_none() && !st.peer_gone && !st.core.all_sent();
+                st.handles == 0 && !lingering
             };
             if done {
                 break;
             }
             tokio::select! {
-                r = async { conn.lock_qp_readable().await } => {
-                    if r.is_err() {
-                        break;
-                    }
+                r = cq_events.readable() => {
+                    let Ok(mut guard) = r else { break };
                     conn.lock().qp.take_events();
+                    guard.clear_ready();
                 }
                 ev = channel.next() => {
                     match ev {
@@ -655,8 +704,9 @@ impl Driver {
                             trace!(kind = ?ev.kind, "rdma_cm event");
                             if matches!(ev.kind, CmEventKind::Disconnected | CmEventKind::DeviceRemoval) {
                                 let mut st = conn.lock();
-                                st.progress(&mut scratch);
+                                st.progress();
                                 st.peer_gone = true;
+                                st.core.on_connection_lost();
                                 st.qp.set_error();
                                 st.wake_all();
                             }
@@ -679,14 +729,6 @@ impl Driver {
         // The QP and its memory are freed when the last handle's Arc drops;
         // rdma_destroy_id may block in the kernel, so it runs off the runtime.
         tokio::task::spawn_blocking(move || drop(id));
-    }
-}
-
-impl Conn {
-    /// Waits until the completion channel has an event, without holding the
-    /// state lock across the await.
-    async fn lock_qp_readable(&self) -> io::Result<()> {
-        std::future::poll_fn(|cx| self.lock().qp.poll_readable(cx)).await
     }
 }
 

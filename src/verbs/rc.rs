@@ -218,7 +218,12 @@ pub(crate) struct Completion {
 }
 
 /// Wraps the completion channel for AsyncFd registration.
-struct ChannelFd(Arc<CompletionChannel>);
+pub(crate) struct ChannelFd(Arc<CompletionChannel>);
+
+/// The completion channel's fd on the tokio reactor. Shared (`Arc`) so a
+/// task can wait for readiness without holding the connection's lock; the
+/// events themselves are taken with [`RcQueuePair::take_events`].
+pub(crate) type CqEventFd = AsyncFd<ChannelFd>;
 impl AsRawFd for ChannelFd {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         self.0.as_raw_fd()
@@ -236,7 +241,7 @@ pub(crate) struct RcQueuePair {
     pub(crate) send_buf: RegisteredBuffer,
     pub(crate) recv_ring: RegisteredBuffer,
     cq: Arc<BasicCompletionQueue>,
-    events: AsyncFd<ChannelFd>,
+    events: Arc<CqEventFd>,
     unacked_events: u32,
     max_inline: u32,
     recv_depth: u32,
@@ -302,7 +307,7 @@ impl RcQueuePair {
             send_buf,
             recv_ring,
             cq,
-            events,
+            events: Arc::new(events),
             unacked_events: 0,
             max_inline: sizes.max_inline,
             recv_depth: sizes.recv_depth,
@@ -506,19 +511,9 @@ impl RcQueuePair {
         n
     }
 
-    /// Polls readiness of the completion channel.
-    pub(crate) fn poll_readable(
-        &self,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<io::Result<()>> {
-        match self.events.poll_read_ready(cx) {
-            std::task::Poll::Ready(Ok(mut g)) => {
-                g.clear_ready();
-                std::task::Poll::Ready(Ok(()))
-            }
-            std::task::Poll::Ready(Err(e)) => std::task::Poll::Ready(Err(e)),
-            std::task::Poll::Pending => std::task::Poll::Pending,
-        }
+    /// The completion channel's fd, to await readiness without the lock.
+    pub(crate) fn cq_events(&self) -> Arc<CqEventFd> {
+        Arc::clone(&self.events)
     }
 }
 

@@ -1,0 +1,272 @@
+//! Side-by-side performance of RdmaStream, raw verbs (perftest) and TCP,
+//! measured in one run on one device. Run it inside the Soft-RoCE guest with
+//! `integration/bench`, or directly on a host with an RDMA NIC:
+//!
+//! ```text
+//! perf --addr 10.11.0.1 --device rxe0 --gid-index 1
+//! ```
+//!
+//! Measures
+//! - bulk throughput with 64 KiB writes: RdmaStream vs `ib_write_bw -s 65536`
+//!   vs TCP (tokio `TcpStream`) over the same interface;
+//! - 64-byte ping-pong round trip: RdmaStream with busy polling and parked
+//!   (completion channel) vs `ib_send_lat -s 64` (perftest reports half the
+//!   round trip; it is doubled here) vs TCP.
+//!
+//! and prints ratios. Nothing here asserts a speed: this is a benchmark.
+
+use std::net::{IpAddr, SocketAddr};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use hdrhistogram::Histogram;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rdma::{RdmaConfig, RdmaListener, RdmaStream};
+
+#[derive(Parser, Debug)]
+#[command(about = "RdmaStream vs perftest vs TCP, side by side")]
+struct Args {
+    /// IP address of the RDMA interface (server and client run here).
+    #[arg(long, default_value = "10.11.0.1")]
+    addr: IpAddr,
+    /// RDMA device for perftest.
+    #[arg(long, default_value = "rxe0")]
+    device: String,
+    /// GID index for perftest (`-x`): the RoCE v2 GID of `addr`.
+    #[arg(long, default_value_t = 1)]
+    gid_index: u32,
+    /// Bytes moved in each bulk throughput run.
+    #[arg(long, default_value_t = 64 << 20)]
+    bulk_bytes: u64,
+    /// Round trips in each ping-pong run.
+    #[arg(long, default_value_t = 2000)]
+    iters: u64,
+    /// Busy-poll budget in microseconds for the busy-poll latency run.
+    #[arg(long, default_value_t = 200)]
+    busy_poll_us: u64,
+}
+
+const CHUNK: usize = 64 * 1024;
+const PING: usize = 64;
+
+/// Sends `bytes` in 64 KiB writes; the reader counts them. Returns MB/s.
+async fn bulk<S, R>(mut tx: S, mut rx: R, bytes: u64) -> f64
+where
+    S: AsyncWrite + Unpin + Send + 'static,
+    R: AsyncRead + Unpin + Send + 'static,
+{
+    let reader = tokio::spawn(async move {
+        let mut buf = vec![0u8; CHUNK];
+        let mut got = 0u64;
+        while got < bytes {
+            let n = rx.read(&mut buf).await.expect("bulk read");
+            assert!(n > 0, "EOF after {got} bytes");
+            got += n as u64;
+        }
+        Instant::now()
+    });
+    let buf = vec![0xA5u8; CHUNK];
+    let start = Instant::now();
+    let mut sent = 0u64;
+    while sent < bytes {
+        let n = (bytes - sent).min(CHUNK as u64) as usize;
+        tx.write_all(&buf[..n]).await.expect("bulk write");
+        sent += n as u64;
+    }
+    let end = reader.await.expect("reader");
+    bytes as f64 / (end - start).as_secs_f64() / 1e6
+}
+
+/// 64-byte ping-pong; returns the RTT histogram in nanoseconds.
+async fn pingpong<S, P>(mut client: S, mut server: P, iters: u64) -> Histogram<u64>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    P: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let echo = tokio::spawn(async move {
+        let mut b = [0u8; PING];
+        for _ in 0..iters {
+            server.read_exact(&mut b).await.expect("pong read");
+            server.write_all(&b).await.expect("pong write");
+        }
+    });
+    let mut h = Histogram::<u64>::new(3).expect("histogram");
+    let mut b = [7u8; PING];
+    for _ in 0..iters {
+        let t = Instant::now();
+        client.write_all(&b).await.expect("ping write");
+        client.read_exact(&mut b).await.expect("ping read");
+        h.record(t.elapsed().as_nanos() as u64).expect("record");
+    }
+    echo.await.expect("echo");
+    h
+}
+
+async fn rdma_pair(addr: IpAddr, cfg: &RdmaConfig) -> (RdmaStream, RdmaStream) {
+    let l = RdmaListener::bind_with(SocketAddr::new(addr, 0), cfg)
+        .await
+        .expect("bind");
+    let a = l.local_addr().unwrap();
+    let (c, s) = tokio::join!(RdmaStream::connect_with(a, cfg), l.accept());
+    (c.expect("connect"), s.expect("accept").0)
+}
+
+async fn tcp_pair(addr: IpAddr) -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind(SocketAddr::new(addr, 0))
+        .await
+        .expect("tcp bind");
+    let a = l.local_addr().unwrap();
+    let (c, s) = tokio::join!(TcpStream::connect(a), l.accept());
+    let c = c.expect("tcp connect");
+    c.set_nodelay(true).unwrap();
+    let s = s.expect("tcp accept").0;
+    s.set_nodelay(true).unwrap();
+    (c, s)
+}
+
+/// Runs a perftest server and client; returns the client's stdout.
+async fn perftest(tool: &str, args: &[String], addr: IpAddr, port: u16) -> Option<String> {
+    let mut base: Vec<String> = args.to_vec();
+    base.extend(["-p".into(), port.to_string()]);
+    let mut server = tokio::process::Command::new(tool)
+        .args(&base)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .ok()?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut cargs = base.clone();
+    cargs.push(addr.to_string());
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(tool).args(&cargs).output(),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let _ = tokio::time::timeout(Duration::from_secs(5), server.wait()).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if perftest_row(&text).is_none() {
+        eprintln!(
+            "perf: {tool} {} gave no result:\n{text}{}",
+            cargs.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Some(text)
+}
+
+/// The data row after perftest's `#bytes` header: its numeric columns.
+fn perftest_row(out: &str) -> Option<Vec<f64>> {
+    let mut lines = out.lines();
+    lines
+        .by_ref()
+        .find(|l| l.trim_start().starts_with("#bytes"))?;
+    let row = lines.find(|l| !l.trim().is_empty())?;
+    let v: Vec<f64> = row
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    (!v.is_empty()).then_some(v)
+}
+
+fn us(ns: u64) -> f64 {
+    ns as f64 / 1000.0
+}
+
+fn ratio(a: f64, b: Option<f64>) -> String {
+    match b {
+        Some(b) if b > 0.0 => format!("{:.2}", a / b),
+        _ => "n/a".into(),
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args = Args::parse();
+    let addr = args.addr;
+    println!(
+        "perf: device {} addr {addr}, {} MiB bulk, {} round trips",
+        args.device,
+        args.bulk_bytes >> 20,
+        args.iters
+    );
+
+    // --- throughput ---------------------------------------------------
+    let cfg = RdmaConfig::default();
+    let (c, s) = rdma_pair(addr, &cfg).await;
+    let rdma_bw = bulk(c, s, args.bulk_bytes).await;
+    let (c, s) = tcp_pair(addr).await;
+    let tcp_bw = bulk(c, s, args.bulk_bytes).await;
+    let common = vec![
+        "-d".to_string(),
+        args.device.clone(),
+        "-x".into(),
+        args.gid_index.to_string(),
+        "-F".into(),
+    ];
+    let mut bw_args = common.clone();
+    bw_args.extend(["-s".into(), "65536".into(), "-D".into(), "5".into()]);
+    let ib_bw = perftest("ib_write_bw", &bw_args, addr, 18515)
+        .await
+        .and_then(|o| perftest_row(&o))
+        .and_then(|v| v.get(3).copied());
+
+    // --- latency -------------------------------------------------------
+    let busy = RdmaConfig::default().busy_poll(Duration::from_micros(args.busy_poll_us));
+    let (c, s) = rdma_pair(addr, &busy).await;
+    let h_busy = pingpong(c, s, args.iters).await;
+    let (c, s) = rdma_pair(addr, &cfg).await;
+    let h_park = pingpong(c, s, args.iters).await;
+    let (c, s) = tcp_pair(addr).await;
+    let h_tcp = pingpong(c, s, args.iters).await;
+    let mut lat_args = common;
+    lat_args.extend([
+        "-s".into(),
+        "64".into(),
+        "-n".into(),
+        args.iters.to_string(),
+    ]);
+    // ib_send_lat prints one-way latency (half the round trip): double it.
+    let ib_lat = perftest("ib_send_lat", &lat_args, addr, 18516)
+        .await
+        .and_then(|o| perftest_row(&o));
+    let ib_rtt_typical = ib_lat.as_ref().and_then(|v| v.get(4)).map(|t| t * 2.0);
+    let ib_rtt_p99 = ib_lat.as_ref().and_then(|v| v.get(7)).map(|t| t * 2.0);
+
+    println!();
+    println!("throughput, 64 KiB writes            MB/s    vs ib_write_bw");
+    match ib_bw {
+        Some(b) => println!("  ib_write_bw (raw verbs)       {b:>10.2}    1.00"),
+        None => println!("  ib_write_bw (raw verbs)              n/a    (perftest failed)"),
+    }
+    println!(
+        "  RdmaStream                    {rdma_bw:>10.2}    {}",
+        ratio(rdma_bw, ib_bw)
+    );
+    println!(
+        "  TCP over the same interface   {tcp_bw:>10.2}    {}",
+        ratio(tcp_bw, ib_bw)
+    );
+    println!();
+    println!("64-byte round trip (us)          p50       p99     p50 vs ib_send_lat");
+    match (ib_rtt_typical, ib_rtt_p99) {
+        (Some(t), Some(p)) => println!("  ib_send_lat x2 (raw verbs) {t:>9.1} {p:>9.1}     1.00"),
+        _ => println!("  ib_send_lat x2 (raw verbs)       n/a       n/a     (perftest failed)"),
+    }
+    for (name, h) in [
+        ("RdmaStream busy-poll     ", &h_busy),
+        ("RdmaStream parked        ", &h_park),
+        ("TCP                      ", &h_tcp),
+    ] {
+        let p50 = us(h.value_at_quantile(0.5));
+        let p99 = us(h.value_at_quantile(0.99));
+        println!(
+            "  {name}  {p50:>9.1} {p99:>9.1}     {}",
+            ratio(p50, ib_rtt_typical)
+        );
+    }
+}
