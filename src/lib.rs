@@ -19,9 +19,12 @@
 
 pub mod config;
 pub mod error;
+#[allow(unsafe_code)]
+pub mod pool;
 pub mod proto;
 pub mod stats;
 mod stream;
+pub mod transport;
 #[allow(unsafe_code)]
 pub mod verbs;
 

@@ -190,7 +190,9 @@ async fn write_blocks_instead_of_returning_zero() {
     let mut accepted = 0usize;
     let mut written = Vec::new();
     loop {
-        let chunk: Vec<u8> = (0..1000u64).map(|i| pattern(9, accepted as u64 + i)).collect();
+        let chunk: Vec<u8> = (0..1000u64)
+            .map(|i| pattern(9, accepted as u64 + i))
+            .collect();
         match tokio::time::timeout(Duration::from_secs(3), c.write(&chunk)).await {
             Ok(Ok(n)) => {
                 assert!(n > 0, "poll_write returned Ok(0) for a non-empty buffer");
@@ -229,7 +231,10 @@ async fn connect_without_listener_is_refused() {
     let err = RdmaStream::connect(format!("{IP}:1")).await.unwrap_err();
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
     let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
-    assert!(matches!(inner, Some(Error::ConnectionRefused { .. })), "{err:?}");
+    assert!(
+        matches!(inner, Some(Error::ConnectionRefused { .. })),
+        "{err:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -287,13 +292,21 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
     });
     let cases: [(Vec<u8>, RejectReason); 3] = [
         (hello_bytes(0xDEAD_BEEF, 1), RejectReason::BadMagic),
-        (hello_bytes(0x544B_5244, 99), RejectReason::UnsupportedVersion),
-        (hello_bytes(0x544B_5244, 1)[..10].to_vec(), RejectReason::Malformed),
+        (
+            hello_bytes(0x544B_5244, 99),
+            RejectReason::UnsupportedVersion,
+        ),
+        (
+            hello_bytes(0x544B_5244, 1)[..10].to_vec(),
+            RejectReason::Malformed,
+        ),
     ];
     for (bytes, want) in cases {
         match tokio_rdma::__testing::connect_with_private_data(addr, &bytes).await {
             Err(Error::HandshakeRejected {
-                reason, server_version, ..
+                reason,
+                server_version,
+                ..
             }) => {
                 assert_eq!(reason, want);
                 assert_eq!(server_version, 1);
@@ -309,8 +322,18 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_process_is_an_error_not_eof() {
     let exe = std::env::current_exe().unwrap();
-    let echo_bin = exe.parent().unwrap().parent().unwrap().join("examples").join("echo");
-    assert!(echo_bin.exists(), "{} must be built (cargo test builds examples)", echo_bin.display());
+    let echo_bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("echo");
+    assert!(
+        echo_bin.exists(),
+        "{} must be built (cargo test builds examples)",
+        echo_bin.display()
+    );
     let addr: SocketAddr = format!("{IP}:7633").parse().unwrap();
     let mut child = tokio::process::Command::new(&echo_bin)
         .args(["server", &addr.to_string()])
@@ -357,7 +380,10 @@ async fn killed_peer_process_is_an_error_not_eof() {
     .await
     .expect("the read must fail within 60 s");
     assert!(
-        matches!(read_err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted),
+        matches!(
+            read_err.kind(),
+            io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted
+        ),
         "{read_err:?}"
     );
     let write_err = tokio::time::timeout(Duration::from_secs(60), writer)
@@ -365,7 +391,10 @@ async fn killed_peer_process_is_an_error_not_eof() {
         .expect("the write must fail within 60 s")
         .unwrap();
     assert!(
-        matches!(write_err.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted),
+        matches!(
+            write_err.kind(),
+            io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted
+        ),
         "{write_err:?}"
     );
 }

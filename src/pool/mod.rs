@@ -1,0 +1,1 @@
+//! Registered memory pool (see the crate docs).

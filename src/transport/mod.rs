@@ -1,0 +1,1 @@
+//! Transport switch: TCP or RDMA chosen by address (see the crate docs).
