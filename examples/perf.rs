@@ -46,6 +46,9 @@ struct Args {
     /// Busy-poll budget in microseconds for the busy-poll latency run.
     #[arg(long, default_value_t = 200)]
     busy_poll_us: u64,
+    /// Only the parked RdmaStream ping-pong (for profiling, e.g. under strace).
+    #[arg(long)]
+    pingpong_only: bool,
 }
 
 const CHUNK: usize = 64 * 1024;
@@ -195,8 +198,19 @@ async fn main() {
         args.iters
     );
 
-    // --- throughput ---------------------------------------------------
     let cfg = RdmaConfig::default();
+    if args.pingpong_only {
+        let (c, s) = rdma_pair(addr, &cfg).await;
+        let h = pingpong(c, s, args.iters).await;
+        println!(
+            "RdmaStream parked 64 B RTT: p50 {:.1} us, p99 {:.1} us",
+            us(h.value_at_quantile(0.5)),
+            us(h.value_at_quantile(0.99))
+        );
+        return;
+    }
+
+    // --- throughput ---------------------------------------------------
     let (c, s) = rdma_pair(addr, &cfg).await;
     let rdma_bw = bulk(c, s, args.bulk_bytes).await;
     let (c, s) = tcp_pair(addr).await;
