@@ -104,6 +104,12 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// A registered-memory pool operation failed (exhausted, too large,
+    /// registration failed). Maps to the pool error's own kind
+    /// ([`PoolError::kind`](crate::pool::PoolError::kind)).
+    #[error(transparent)]
+    Pool(#[from] crate::pool::PoolError),
+
     /// The peer actively refused the connection (no RDMA listener on that
     /// port: rdma_cm `REJECTED` with the IB CM "consumer reject" reason, or
     /// `UNREACHABLE`). Maps to [`io::ErrorKind::ConnectionRefused`].
@@ -127,6 +133,7 @@ impl Error {
             }
             Error::Handshake(_) | Error::Protocol(_) => io::ErrorKind::InvalidData,
             Error::TimedOut { .. } => io::ErrorKind::TimedOut,
+            Error::Pool(e) => e.kind(),
             Error::Unreachable { source, .. } => match source.raw_os_error() {
                 Some(libc::ENODEV) => io::ErrorKind::NotFound,
                 _ => io::ErrorKind::HostUnreachable,
