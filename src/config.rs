@@ -26,6 +26,7 @@ pub struct RdmaConfig {
     pub(crate) recv_buffer_limit: usize,
     pub(crate) device: Option<String>,
     pub(crate) backlog: i32,
+    pub(crate) linger: Duration,
 }
 
 impl Default for RdmaConfig {
@@ -44,6 +45,7 @@ impl Default for RdmaConfig {
             recv_buffer_limit: 8 * 1024 * 1024,
             device: None,
             backlog: 128,
+            linger: Duration::from_secs(60),
         }
     }
 }
@@ -140,6 +142,17 @@ impl RdmaConfig {
     /// match the device rdma_cm bound the address to.
     pub fn device(mut self, name: impl Into<String>) -> Self {
         self.device = Some(name.into());
+        self
+    }
+
+    /// How long a dropped stream keeps delivering what was written before it
+    /// was dropped (and its FIN) when the peer does not take it, before the
+    /// connection is torn down (default 60 s). Like the kernel's socket
+    /// buffer after `close`, delivery continues in the background; this
+    /// bounds how long a peer that never reads can hold the queue pair and
+    /// its registered memory.
+    pub fn linger(mut self, timeout: Duration) -> Self {
+        self.linger = timeout;
         self
     }
 

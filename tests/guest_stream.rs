@@ -398,3 +398,34 @@ async fn killed_peer_process_is_an_error_not_eof() {
         "{write_err:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linger_gives_up_on_a_peer_that_never_reads() {
+    // The server's ring (8191 bytes) fills and is never drained; the client
+    // drops with 5003 more bytes in its send buffer and a 1 s linger.
+    let server_cfg = RdmaConfig::new().ring_size(8191).recv_buffer_limit(0);
+    let client_cfg = RdmaConfig::new()
+        .send_buffer_size(5003)
+        .linger(Duration::from_secs(1));
+    let l = bind(&server_cfg).await;
+    let addr = l.local_addr().unwrap();
+    let mut c = RdmaStream::connect_with(addr, &client_cfg).await.unwrap();
+    let (mut s, _) = l.accept().await.unwrap();
+    let data: Vec<u8> = (0..(8191 + 5003) as u64).map(|i| pattern(11, i)).collect();
+    c.write_all(&data).await.unwrap();
+    drop(c);
+    // Well past the linger: the client has torn the connection down.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let err = loop {
+        match s.read(&mut buf).await {
+            Ok(0) => panic!("EOF: the client never sent its FIN, so this must be an error"),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionReset, "{err}");
+    assert_eq!(got.len(), 8191, "exactly the ring's worth arrived");
+    assert!(got == data[..8191], "the delivered prefix is intact");
+}

@@ -659,6 +659,7 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
     let driver = Driver {
         conn: Arc::clone(&conn),
         id: est.id,
+        linger: cfg.linger,
     };
     tokio::spawn(driver.run().instrument(span));
     Ok(conn)
@@ -667,15 +668,19 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
 struct Driver {
     conn: Arc<Conn>,
     id: CmId,
+    /// Bound on delivering after the last handle dropped.
+    linger: std::time::Duration,
 }
 
 impl Driver {
     async fn run(self) {
-        let Driver { conn, id } = self;
+        let Driver { conn, id, linger } = self;
         debug!("connection established");
         let channel = Arc::clone(id.channel());
         let cq_events = conn.lock().qp.cq_events();
         let mut fin_requested = false;
+        // Set once every handle is gone and data is still being delivered.
+        let mut linger_deadline: Option<tokio::time::Instant> = None;
         loop {
             let done = {
                 let mut st = conn.lock();
@@ -683,6 +688,7 @@ impl Driver {
                 if st.handles == 0 && !fin_requested && st.error.is_none() && !st.peer_gone {
                     // All handles dropped: close like TCP, FIN after the data.
                     fin_requested = true;
+                    linger_deadline = Some(tokio::time::Instant::now() + linger);
                     st.core.shutdown();
                     st.transmit();
                 }
@@ -717,6 +723,15 @@ impl Driver {
                     }
                 }
                 _ = conn.notify.notified() => {}
+                _ = async {
+                    match linger_deadline {
+                        Some(d) => tokio::time::sleep_until(d).await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    debug!("linger timeout: the peer did not take the remaining data");
+                    conn.lock().fail(ConnError::new(io::ErrorKind::TimedOut, "linger timeout"));
+                }
             }
         }
         debug!("connection closing");
