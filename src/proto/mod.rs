@@ -9,6 +9,9 @@
 //! - [`stream`]: [`StreamCore`], the byte-stream state machine (ring
 //!   cursors, credits, selective signaling, half-close, abort), with the
 //!   argument for why its credit scheme cannot deadlock.
+//! - [`message`]: [`MessageCore`], the zero-copy message state machine
+//!   (eager sends, rendezvous by RDMA READ, in-order delivery, credits,
+//!   abort), with its own deadlock argument.
 //! - [`error`]: [`ProtocolError`] (the peer broke the protocol) and
 //!   [`WriteError`] (why a write is refused).
 //!
@@ -19,12 +22,19 @@
 pub mod error;
 pub mod handshake;
 pub mod imm;
+pub mod message;
 pub mod stream;
 
+#[cfg(test)]
+mod message_tests;
 #[cfg(test)]
 mod tests;
 
 pub use error::{ProtocolError, WriteError};
 pub use handshake::{EndpointKind, HandshakeError, Hello, RejectReason};
 pub use imm::Imm;
+pub use message::{
+    Delivery, MessageCore, MessageError, MessageParams, MessageStats, MsgEvent, MsgImm,
+    MsgTransmit, MsgTransmitKind, OutboundMessage, RecvDisposition, RtsHeader, SendError,
+};
 pub use stream::{RecvEvent, StreamCore, StreamParams, StreamStats, Transmit, TransmitKind};

@@ -1,0 +1,1587 @@
+//! The zero-copy message state machine: eager sends, rendezvous by RDMA
+//! READ, in-order delivery, credits and abort.
+//!
+//! [`MessageCore`] does bookkeeping only. The runtime owns every buffer and
+//! names it to the core by an opaque `u64` *token* (its handle for a pool
+//! buffer or registered region: address, lkey and rkey are known to the
+//! runtime); it posts the work requests (WRs) the core returns and feeds back
+//! completions.
+//!
+//! # Messages
+//!
+//! Every message on the queue pair (QP) is one SEND WITH IMMEDIATE into a
+//! receive buffer the receiver pre-posted (a pool buffer of `eager_buf_len`
+//! bytes); only rendezvous payloads travel differently: the **receiver**
+//! pulls them with RDMA READ. The top 3 bits of the immediate select the type
+//! ([`MsgImm`]):
+//!
+//! | bits 31..29 | type   | bits 28..0                                    | payload                   |
+//! |-------------|--------|-----------------------------------------------|---------------------------|
+//! | `000`       | EAGER  | must be 0                                     | the whole message, `0..=eager_max` bytes |
+//! | `001`       | RTS    | rendezvous sequence number (mod 2^29)         | [`RTS_HEADER_LEN`] = 20 bytes: length u64, address u64, rkey u32, big-endian |
+//! | `010`       | DONE   | sequence number of the RTS it completes       | none                      |
+//! | `011`       | CREDIT | receive buffers returned, `1..=2^29-1`        | none                      |
+//! | `100`       | ABORT  | error code, `0..=2^29-1`                      | none                      |
+//! | `101..111`  | —      | unknown: a protocol error                     |                           |
+//!
+//! A message of at most `eager_max` bytes goes EAGER (inline when at most
+//! `inline_threshold` bytes). A larger one goes by rendezvous: the sender
+//! posts an RTS naming its registered buffer; the receiver asks the runtime
+//! for a destination of exactly the announced length
+//! ([`MsgEvent::AllocateDestination`], answered by
+//! [`MessageCore::destination_ready`]), READs the payload in chunks of at
+//! most `max_read_len` bytes, and once every READ completed sends DONE; the
+//! sender then releases its buffer ([`MsgEvent::SendDone`]). RTS and DONE
+//! pair up first-in first-out (RC ordering); both carry the rendezvous
+//! sequence number so a confused peer is caught rather than believed.
+//!
+//! # Order
+//!
+//! Messages are handed to the application ([`MessageCore::poll_recv`]) in
+//! send order: an eager message that arrives behind an unfinished rendezvous
+//! waits for it. At most `max_rendezvous_in_flight` rendezvous are
+//! outstanding: the sender counts an RTS from posting to its DONE, and the
+//! receiver rejects an RTS that would exceed the bound (it counts from
+//! receipt to posting the DONE, never more than the sender's count).
+//!
+//! # Credits and flow control
+//!
+//! Every message, of any type, consumes one pre-posted receive buffer at the
+//! peer. The runtime reposts a fresh pool buffer at once for every receive
+//! completion, so the core has no `release_recv_buffer`: the buffer that
+//! completed either stays with the message (EAGER, until the application
+//! takes it and drops it) or goes straight back to the pool
+//! ([`RecvDisposition`]).
+//!
+//! The sender's credit is `peer_recv_depth - sent + returned`. EAGER and RTS
+//! need more than [`CONTROL_RESERVE`] (2) credits; DONE needs at least 2;
+//! CREDIT (which always returns at least one buffer) and ABORT need 1.
+//! A control message's (CREDIT, DONE, ABORT) slot counts as returnable when
+//! it is received; a data message's (EAGER, RTS) slot when the application
+//! takes the message ([`MessageCore::poll_recv`]). So the messages waiting
+//! for the application are bounded by `recv_depth`, and an application that
+//! stops taking messages stalls its peer's sender after its credit is spent:
+//! flow control, with nothing lost. Control traffic (CREDIT, DONE) and the
+//! rendezvous READs never depend on the application.
+//!
+//! Credit returns by CREDIT when the returnable slots reach
+//! `T = max(2, recv_depth / 4)`.
+//!
+//! # Why this cannot deadlock
+//!
+//! The argument of the [stream core](crate::proto::stream) carries over,
+//! with "the reader has read" replaced by "the application has taken every
+//! complete message". In a quiescent state (nothing in flight) let `c_X` be
+//! X's credit at Y and `u_Y` the slots Y holds for X (returnable or held by
+//! untaken messages): `c_X + u_Y = depth_Y >= 4`.
+//!
+//! 1. *Not both credits are zero:* a message that takes a credit from 1 to 0
+//!    is a CREDIT returning at least one slot (or a terminal ABORT); the
+//!    stream core's argument applies unchanged.
+//! 2. *A sender blocked on credit gets it once the application took what
+//!    arrived:* A blocks data at `c_A <= 2`, so `u_B >= depth_B - 2 >= T`,
+//!    all returnable, and B wants to send a CREDIT; it can unless `c_B = 0`,
+//!    in which case `u_A = depth_A >= T` and A (with `c_A >= 1` by 1.) sends
+//!    a CREDIT first. DONE blocks at `c <= 1`, a stronger condition, and is
+//!    unblocked the same way.
+//! 3. *A rendezvous completes without the application:* the READs need only
+//!    send-queue slots and the runtime's destination; the DONE needs 2
+//!    credits, which 2. provides. So an eager message held behind a
+//!    rendezvous is released, and a sender blocked on
+//!    `max_rendezvous_in_flight` gets its DONE.
+//! 4. *Credits do not ping-pong forever:* a CREDIT returns at least `T >= 2`
+//!    slots, so each side sends at most one per two messages received.
+//! 5. *Send-queue slots come back:* the last WR [`MessageCore::poll_transmit`]
+//!    can produce now is signaled, so every burst ends with a completion that
+//!    releases it.
+//!
+//! `src/proto/message_tests.rs` checks this on many random schedules and
+//! exhaustively on small configurations.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use crate::proto::handshake::{MAX_RECV_DEPTH, MIN_RECV_DEPTH};
+
+/// Receive-buffer credits at the peer that EAGER and RTS may not use: 2.
+/// They are kept for CREDIT and DONE, so credit can always flow back.
+pub const CONTROL_RESERVE: u16 = 2;
+
+/// Length of an RTS payload: 20 bytes (message length u64, remote address
+/// u64, rkey u32, all big-endian).
+pub const RTS_HEADER_LEN: usize = 20;
+
+/// Largest value of the low 29 bits of an immediate: 2^29 - 1. Bounds
+/// ABORT codes and CREDIT counts; RTS/DONE sequence numbers wrap modulo
+/// 2^29.
+pub const MAX_IMM_VALUE: u32 = (1 << 29) - 1;
+
+/// Largest `max_message_len` accepted: 2^48 bytes (256 TiB).
+pub const MAX_MESSAGE_LEN: u64 = 1 << 48;
+
+/// Largest `max_read_len`: 2^31 bytes, the InfiniBand message size limit.
+pub const MAX_READ_LEN: u32 = 1 << 31;
+
+/// Largest `eager_buf_len`: 2^30 bytes.
+pub const MAX_EAGER_BUF_LEN: u32 = 1 << 30;
+
+/// ABORT code of aborts requested by the application; codes 1 and up are
+/// protocol errors ([`MessageError::abort_code`]).
+pub const ABORT_CODE_APPLICATION: u32 = 0;
+
+const TYPE_SHIFT: u32 = 29;
+const TYPE_EAGER: u32 = 0b000;
+const TYPE_RTS: u32 = 0b001;
+const TYPE_DONE: u32 = 0b010;
+const TYPE_CREDIT: u32 = 0b011;
+const TYPE_ABORT: u32 = 0b100;
+
+/// A decoded message immediate (see the [module docs](self) for the table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MsgImm {
+    /// The receive buffer holds the whole message; its length is the
+    /// completion's `byte_len`.
+    Eager,
+    /// A rendezvous announcement; the payload is the 20-byte RTS header.
+    Rts {
+        /// Rendezvous sequence number modulo 2^29, counting from 0.
+        seq: u32,
+    },
+    /// The receiver finished READing the RTS with sequence number `seq`
+    /// (the oldest outstanding one); its buffer may be released.
+    Done {
+        /// Sequence number of the completed RTS, modulo 2^29.
+        seq: u32,
+    },
+    /// `count` receive buffers (`1..=`[`MAX_IMM_VALUE`]) are returned.
+    Credit {
+        /// Receive buffers returned.
+        count: u32,
+    },
+    /// The sender aborted with `code` (`0..=`[`MAX_IMM_VALUE`]); nothing
+    /// follows.
+    Abort {
+        /// The abort code.
+        code: u32,
+    },
+}
+
+impl MsgImm {
+    /// Encodes into the 32-bit immediate (host order). Values wider than 29
+    /// bits are truncated to 29 bits, so they never reach the type bits.
+    pub fn encode(self) -> u32 {
+        let (ty, low) = match self {
+            MsgImm::Eager => (TYPE_EAGER, 0),
+            MsgImm::Rts { seq } => (TYPE_RTS, seq),
+            MsgImm::Done { seq } => (TYPE_DONE, seq),
+            MsgImm::Credit { count } => (TYPE_CREDIT, count),
+            MsgImm::Abort { code } => (TYPE_ABORT, code),
+        };
+        (ty << TYPE_SHIFT) | (low & MAX_IMM_VALUE)
+    }
+
+    /// Decodes a 32-bit immediate (host order).
+    ///
+    /// # Errors
+    ///
+    /// [`MessageError::UnknownType`] for types `101..=111`;
+    /// [`MessageError::BadImm`] for an EAGER with non-zero low bits or a
+    /// CREDIT of 0.
+    pub fn decode(imm: u32) -> Result<MsgImm, MessageError> {
+        let low = imm & MAX_IMM_VALUE;
+        match imm >> TYPE_SHIFT {
+            TYPE_EAGER if low != 0 => Err(MessageError::BadImm {
+                imm,
+                reason: "EAGER with non-zero low 29 bits",
+            }),
+            TYPE_EAGER => Ok(MsgImm::Eager),
+            TYPE_RTS => Ok(MsgImm::Rts { seq: low }),
+            TYPE_DONE => Ok(MsgImm::Done { seq: low }),
+            TYPE_CREDIT if low == 0 => Err(MessageError::BadImm {
+                imm,
+                reason: "CREDIT returning 0 buffers",
+            }),
+            TYPE_CREDIT => Ok(MsgImm::Credit { count: low }),
+            TYPE_ABORT => Ok(MsgImm::Abort { code: low }),
+            _ => Err(MessageError::UnknownType { imm }),
+        }
+    }
+}
+
+/// The 20-byte payload of an RTS: where the receiver READs the message from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RtsHeader {
+    /// Message length in bytes.
+    pub len: u64,
+    /// Virtual address of the sender's registered buffer.
+    pub addr: u64,
+    /// rkey of the memory region holding it.
+    pub rkey: u32,
+}
+
+impl RtsHeader {
+    /// The wire form: `len`, `addr`, `rkey`, big-endian, 20 bytes.
+    pub fn encode(&self) -> [u8; RTS_HEADER_LEN] {
+        let mut out = [0u8; RTS_HEADER_LEN];
+        out[0..8].copy_from_slice(&self.len.to_be_bytes());
+        out[8..16].copy_from_slice(&self.addr.to_be_bytes());
+        out[16..20].copy_from_slice(&self.rkey.to_be_bytes());
+        out
+    }
+
+    /// Parses the first 20 bytes of `bytes`; `None` if there are fewer.
+    pub fn decode(bytes: &[u8]) -> Option<RtsHeader> {
+        let b = bytes.get(..RTS_HEADER_LEN)?;
+        let mut len = [0u8; 8];
+        let mut addr = [0u8; 8];
+        let mut rkey = [0u8; 4];
+        len.copy_from_slice(&b[0..8]);
+        addr.copy_from_slice(&b[8..16]);
+        rkey.copy_from_slice(&b[16..20]);
+        Some(RtsHeader {
+            len: u64::from_be_bytes(len),
+            addr: u64::from_be_bytes(addr),
+            rkey: u32::from_be_bytes(rkey),
+        })
+    }
+}
+
+/// The peer broke the message protocol, or the runtime fed the core
+/// something inconsistent.
+///
+/// After [`MessageCore::on_recv`] returns one, the core has aborted the
+/// connection itself (as [`MessageCore::abort`] does) and queued an ABORT
+/// carrying [`MessageError::abort_code`]. Errors of the runtime's own calls
+/// (`UnknownWrId`, `NoDestinationRequested`, `InvalidParams`) change nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MessageError {
+    /// A malformed immediate: an EAGER with non-zero low bits or a CREDIT
+    /// returning 0 buffers.
+    #[error("invalid message immediate {imm:#010x}: {reason}")]
+    BadImm {
+        /// The immediate as received (host order).
+        imm: u32,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The top 3 bits of the immediate name no message type (`101..=111`).
+    #[error("unknown message type in immediate {imm:#010x}")]
+    UnknownType {
+        /// The immediate as received.
+        imm: u32,
+    },
+    /// An EAGER message longer than the agreed `eager_max`.
+    #[error("peer sent an eager message of {len} bytes; at most {eager_max} allowed")]
+    EagerTooLong {
+        /// The completion's byte length.
+        len: u32,
+        /// The largest eager message, bytes.
+        eager_max: u32,
+    },
+    /// An RTS whose payload is not exactly [`RTS_HEADER_LEN`] bytes (or the
+    /// runtime passed fewer bytes of it).
+    #[error("RTS with a {byte_len}-byte payload ({available} bytes readable); 20 expected")]
+    BadRtsHeader {
+        /// The completion's byte length.
+        byte_len: u32,
+        /// Bytes of the payload the runtime passed.
+        available: usize,
+    },
+    /// An RTS announcing 0 bytes or more than `max_message_len`. Nothing was
+    /// allocated for it.
+    #[error("RTS announces {len} bytes; allowed 1..={max}")]
+    BadMessageLen {
+        /// The announced length, bytes.
+        len: u64,
+        /// The configured `max_message_len`, bytes.
+        max: u64,
+    },
+    /// An RTS whose buffer would wrap the 64-bit address space.
+    #[error("RTS buffer at {addr:#x} of {len} bytes wraps the address space")]
+    BadRtsAddress {
+        /// The announced address.
+        addr: u64,
+        /// The announced length, bytes.
+        len: u64,
+    },
+    /// An RTS beyond `max_rendezvous_in_flight` unfinished rendezvous.
+    #[error("RTS with {in_flight} rendezvous already unfinished; at most {max} allowed")]
+    RendezvousOverrun {
+        /// Rendezvous received whose DONE was not posted yet.
+        in_flight: u16,
+        /// The configured `max_rendezvous_in_flight`.
+        max: u16,
+    },
+    /// An RTS or DONE with the wrong sequence number.
+    #[error("{what} with sequence number {got}; expected {expected}")]
+    BadSequence {
+        /// `"RTS"` or `"DONE"`.
+        what: &'static str,
+        /// The sequence number received.
+        got: u32,
+        /// The one expected.
+        expected: u32,
+    },
+    /// A DONE while no RTS of ours is outstanding.
+    #[error("peer sent DONE (sequence {seq}) with no rendezvous outstanding")]
+    UnexpectedDone {
+        /// The sequence number in the DONE.
+        seq: u32,
+    },
+    /// A non-EAGER, non-RTS message with a payload.
+    #[error("control message {imm:#010x} carries {byte_len} payload bytes")]
+    UnexpectedPayload {
+        /// The immediate.
+        imm: u32,
+        /// The completion's byte length.
+        byte_len: u32,
+    },
+    /// A CREDIT returning more buffers than this side had consumed at the
+    /// peer.
+    #[error("peer returned {count} receive buffers; only {outstanding} were outstanding")]
+    CreditOverflow {
+        /// Buffers returned by the CREDIT.
+        count: u32,
+        /// Buffers consumed at the peer and not yet returned.
+        outstanding: u16,
+    },
+    /// More messages than `recv_depth` without credit returned.
+    #[error(
+        "peer consumed {consumed} receive buffers without credit; only {recv_depth} are posted"
+    )]
+    RecvOverrun {
+        /// Buffers consumed and not returned, including this one.
+        consumed: u32,
+        /// Receive buffers this side keeps posted.
+        recv_depth: u16,
+    },
+    /// A message arrived after the peer's ABORT.
+    #[error("peer sent immediate {imm:#010x} after its ABORT")]
+    MessageAfterAbort {
+        /// The late immediate.
+        imm: u32,
+    },
+    /// The runtime reported a send-queue completion (SEND or READ) for a
+    /// wr_id that is not outstanding.
+    #[error("completion for unknown wr_id {wr_id} (outstanding first/last: {outstanding:?})")]
+    UnknownWrId {
+        /// The wr_id reported.
+        wr_id: u64,
+        /// The oldest and newest outstanding wr_ids, `None` if none.
+        outstanding: Option<(u64, u64)>,
+    },
+    /// [`MessageCore::destination_ready`] with no
+    /// [`MsgEvent::AllocateDestination`] unanswered.
+    #[error("destination {token} offered but none was requested")]
+    NoDestinationRequested {
+        /// The token offered.
+        token: u64,
+    },
+    /// A [`MessageParams`] field is out of range.
+    #[error("invalid message parameter {name} = {value}: {allowed}")]
+    InvalidParams {
+        /// The field name.
+        name: &'static str,
+        /// The value given.
+        value: u64,
+        /// The allowed range.
+        allowed: &'static str,
+    },
+}
+
+impl MessageError {
+    /// The ABORT code sent when this error aborts the connection:
+    /// `BadImm` 1, `UnknownType` 2, `EagerTooLong` 3, `BadRtsHeader` 4,
+    /// `BadMessageLen` 5, `BadRtsAddress` 6, `RendezvousOverrun` 7,
+    /// `BadSequence` 8, `UnexpectedDone` 9, `UnexpectedPayload` 10,
+    /// `CreditOverflow` 11, `RecvOverrun` 12, `MessageAfterAbort` 13,
+    /// `UnknownWrId` 14, `NoDestinationRequested` 15, `InvalidParams` 16.
+    /// Code 0 is [`ABORT_CODE_APPLICATION`].
+    pub fn abort_code(&self) -> u32 {
+        match self {
+            MessageError::BadImm { .. } => 1,
+            MessageError::UnknownType { .. } => 2,
+            MessageError::EagerTooLong { .. } => 3,
+            MessageError::BadRtsHeader { .. } => 4,
+            MessageError::BadMessageLen { .. } => 5,
+            MessageError::BadRtsAddress { .. } => 6,
+            MessageError::RendezvousOverrun { .. } => 7,
+            MessageError::BadSequence { .. } => 8,
+            MessageError::UnexpectedDone { .. } => 9,
+            MessageError::UnexpectedPayload { .. } => 10,
+            MessageError::CreditOverflow { .. } => 11,
+            MessageError::RecvOverrun { .. } => 12,
+            MessageError::MessageAfterAbort { .. } => 13,
+            MessageError::UnknownWrId { .. } => 14,
+            MessageError::NoDestinationRequested { .. } => 15,
+            MessageError::InvalidParams { .. } => 16,
+        }
+    }
+}
+
+/// Why [`MessageCore::send`] refuses a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SendError {
+    /// This side aborted ([`MessageCore::abort`] or a protocol error of the
+    /// peer).
+    #[error("message endpoint was aborted")]
+    Aborted,
+    /// The peer aborted, or the connection was lost.
+    #[error("message endpoint was reset by the peer")]
+    Reset,
+    /// The message is longer than `max_message_len`.
+    #[error("message of {len} bytes exceeds the maximum of {max} bytes")]
+    TooLong {
+        /// The message length, bytes.
+        len: u64,
+        /// The configured `max_message_len`, bytes.
+        max: u64,
+    },
+}
+
+/// Configuration of one message endpoint, validated by [`MessageCore::new`].
+///
+/// `recv_depth`/`eager_buf_len` are this side's (advertised in its `Hello`);
+/// the `peer_*` fields come from the peer's. `eager_max` and
+/// `max_message_len` are agreed by both sides (the same on both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MessageParams {
+    /// Receive buffers this side keeps posted,
+    /// [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`] (4..=1023).
+    pub recv_depth: u16,
+    /// Receive buffers the peer keeps posted, 4..=1023.
+    pub peer_recv_depth: u16,
+    /// Length of each of this side's receive buffers, bytes,
+    /// `1..=`[`MAX_EAGER_BUF_LEN`]. At least [`RTS_HEADER_LEN`].
+    pub eager_buf_len: u32,
+    /// Length of each of the peer's receive buffers, bytes; same range.
+    pub peer_eager_buf_len: u32,
+    /// Largest message sent (and accepted) EAGER, bytes; at most both
+    /// buffer lengths. 0 sends everything but empty messages by rendezvous.
+    pub eager_max: u32,
+    /// EAGER messages of at most this many bytes are posted inline, as is
+    /// the RTS header when this is at least 20. 0 disables inline data.
+    pub inline_threshold: u32,
+    /// Send-queue slots for this endpoint: at most this many WRs (SENDs and
+    /// READs) are posted and not completed. At least 1.
+    pub send_queue_depth: u16,
+    /// Largest RDMA READ, bytes, `1..=`[`MAX_READ_LEN`].
+    pub max_read_len: u32,
+    /// Largest message, bytes, `1..=`[`MAX_MESSAGE_LEN`]; larger sends are
+    /// refused and larger announcements are a protocol error.
+    pub max_message_len: u64,
+    /// Most rendezvous outstanding per direction, at least 1.
+    pub max_rendezvous_in_flight: u16,
+    /// Every `signal_interval`-th WR is signaled; at least 1. The last WR of
+    /// a burst and every ABORT are signaled regardless.
+    pub signal_interval: u16,
+}
+
+/// What the sender wants to send: a buffer of the runtime's, named by token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct OutboundMessage {
+    /// The runtime's handle for the buffer; returned in
+    /// [`MsgEvent::SendDone`] (or [`MsgEvent::Reclaim`]).
+    pub token: u64,
+    /// Message length, bytes, `0..=max_message_len`.
+    pub len: u64,
+    /// Virtual address of the buffer's first byte (used for rendezvous).
+    pub addr: u64,
+    /// rkey of the memory region holding the buffer, registered for remote
+    /// READ (used for rendezvous).
+    pub rkey: u32,
+}
+
+/// A WR to post, from [`MessageCore::poll_transmit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MsgTransmit {
+    /// The WR id to post with; counts up by one from 1.
+    pub wr_id: u64,
+    /// What to post.
+    pub kind: MsgTransmitKind,
+    /// Post with `IBV_SEND_SIGNALED`.
+    pub signaled: bool,
+}
+
+/// The shape of a [`MsgTransmit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MsgTransmitKind {
+    /// SEND WITH IMMEDIATE of the first `len` bytes of buffer `token`.
+    Eager {
+        /// The buffer's token.
+        token: u64,
+        /// Payload length, bytes, `0..=eager_max`.
+        len: u32,
+        /// Immediate data (host order): [`MsgImm::Eager`].
+        imm: u32,
+        /// Post with `IBV_SEND_INLINE` (`len <= inline_threshold`).
+        inline: bool,
+    },
+    /// SEND WITH IMMEDIATE of the 20-byte `header` (an [`RtsHeader`]); when
+    /// not `inline` the runtime copies it into registered scratch memory
+    /// first.
+    Rts {
+        /// The encoded [`RtsHeader`].
+        header: [u8; RTS_HEADER_LEN],
+        /// Immediate data (host order): [`MsgImm::Rts`].
+        imm: u32,
+        /// Post with `IBV_SEND_INLINE` (`inline_threshold >= 20`).
+        inline: bool,
+    },
+    /// Zero-length SEND WITH IMMEDIATE: CREDIT, DONE or ABORT.
+    Control {
+        /// Immediate data (host order).
+        imm: u32,
+    },
+    /// RDMA READ of `len` bytes from `remote_addr` (rkey `rkey`) into
+    /// destination `local_token` at byte offset `local_offset`.
+    Read {
+        /// The destination's token (from
+        /// [`MessageCore::destination_ready`]).
+        local_token: u64,
+        /// Offset in the destination, bytes.
+        local_offset: u64,
+        /// Remote virtual address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+        /// Bytes, `1..=max_read_len`.
+        len: u32,
+    },
+}
+
+/// What [`MessageCore::on_recv`] did with the receive buffer that completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecvDisposition {
+    /// The buffer holds an EAGER message: keep it until the application
+    /// takes the message ([`Delivery`]) and drops it.
+    Keep,
+    /// Release the buffer to the pool now (control messages, RTS, errors).
+    Release,
+}
+
+/// A runtime-level event, from [`MessageCore::poll_event`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MsgEvent {
+    /// The sender's buffer `token` is no longer needed: its EAGER SEND
+    /// completed, or the peer's DONE arrived for its rendezvous.
+    SendDone {
+        /// The buffer's token.
+        token: u64,
+    },
+    /// An RTS arrived: allocate a destination of exactly `len` bytes,
+    /// registered for local write, and answer with
+    /// [`MessageCore::destination_ready`]. Requests are answered in order.
+    AllocateDestination {
+        /// Bytes to allocate, `1..=max_message_len`.
+        len: u64,
+    },
+    /// The peer aborted with `code`.
+    Aborted {
+        /// The peer's abort code.
+        code: u32,
+    },
+    /// After an abort (either side) or a lost connection the core gives up
+    /// buffer `token` (a queued or unfinished send, a received message not
+    /// yet taken, a rendezvous destination). Free it once the QP is in the
+    /// error state (no WR can still touch it).
+    Reclaim {
+        /// The buffer's token.
+        token: u64,
+    },
+}
+
+/// A complete message, handed out in send order by
+/// [`MessageCore::poll_recv`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Delivery {
+    /// The message is the first `len` bytes of receive buffer
+    /// `recv_buf_token`.
+    Eager {
+        /// The receive buffer's token (as given to `on_recv`).
+        recv_buf_token: u64,
+        /// Message length, bytes.
+        len: u32,
+    },
+    /// The message fills destination `dest_token` (`len` bytes).
+    Rendezvous {
+        /// The destination's token (as given to `destination_ready`).
+        dest_token: u64,
+        /// Message length, bytes.
+        len: u64,
+    },
+}
+
+impl Delivery {
+    /// The message length, bytes.
+    pub fn len(&self) -> u64 {
+        match *self {
+            Delivery::Eager { len, .. } => len.into(),
+            Delivery::Rendezvous { len, .. } => len,
+        }
+    }
+
+    /// True for an empty message.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The token of the buffer holding the message.
+    pub fn token(&self) -> u64 {
+        match *self {
+            Delivery::Eager { recv_buf_token, .. } => recv_buf_token,
+            Delivery::Rendezvous { dest_token, .. } => dest_token,
+        }
+    }
+}
+
+/// Counters of one message endpoint, from [`MessageCore::stats`]; all start
+/// at 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct MessageStats {
+    /// Messages posted (EAGER or RTS).
+    pub messages_sent: u64,
+    /// Payload bytes of those messages.
+    pub bytes_sent: u64,
+    /// EAGER messages posted.
+    pub eager_sent: u64,
+    /// RTS posted.
+    pub rendezvous_sent: u64,
+    /// EAGER messages posted inline.
+    pub inline_sent: u64,
+    /// Messages handed to the application by `poll_recv`.
+    pub messages_received: u64,
+    /// Payload bytes of those messages.
+    pub bytes_received: u64,
+    /// EAGER messages received.
+    pub eager_received: u64,
+    /// RTS received.
+    pub rendezvous_received: u64,
+    /// RDMA READ WRs posted.
+    pub read_wrs: u64,
+    /// Bytes requested by them.
+    pub read_bytes: u64,
+    /// WRs handed out by `poll_transmit` (all kinds).
+    pub wrs_posted: u64,
+    /// Signaled WRs among them.
+    pub signaled: u64,
+    /// Control messages posted (CREDIT, DONE, ABORT).
+    pub control_sent: u64,
+    /// CREDIT messages among them.
+    pub credits_sent: u64,
+    /// Control messages received.
+    pub control_received: u64,
+    /// Times a queued message became blocked on peer credit (at most
+    /// [`CONTROL_RESERVE`] left), once per blocked period.
+    pub credit_stalls: u64,
+    /// Times a queued rendezvous became blocked on
+    /// `max_rendezvous_in_flight`, once per blocked period.
+    pub rendezvous_stalls: u64,
+    /// Times work was blocked on a full send queue, once per blocked period.
+    pub send_queue_stalls: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum WrKind {
+    /// Nothing to do on completion.
+    Plain,
+    /// An EAGER SEND of buffer `token`.
+    Eager { token: u64 },
+    /// A READ of `len` bytes for rendezvous `seq`.
+    Read { seq: u64, len: u32 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Outstanding {
+    wr_id: u64,
+    kind: WrKind,
+}
+
+/// A received data message, waiting for the application.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Inbound {
+    Eager {
+        token: u64,
+        len: u32,
+    },
+    /// `dest` is set once every READ completed.
+    Rendezvous {
+        len: u64,
+        dest: Option<u64>,
+    },
+}
+
+/// A rendezvous being read, oldest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Reading {
+    /// Index in the inbox sequence (see `inbox_base`).
+    seq: u64,
+    header: RtsHeader,
+    dest: Option<u64>,
+    issued: u64,
+    completed: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Abort(u32),
+    Credit(u32),
+    Done,
+    Read,
+    Eager,
+    Rts,
+}
+
+/// The sans-IO state machine of one zero-copy message endpoint.
+///
+/// Driven by the runtime: queue messages ([`send`]); post what
+/// [`poll_transmit`] returns until `None`; report signaled send-queue
+/// completions, SENDs and READs alike ([`on_send_complete`]), and every
+/// receive completion ([`on_recv`]); answer
+/// [`MsgEvent::AllocateDestination`] ([`destination_ready`]); handle
+/// [`poll_event`]; hand [`poll_recv`]'s messages to the application when it
+/// asks. After any call, call `poll_transmit` and `poll_event` again. See
+/// the [module docs](self) for the protocol and the deadlock argument.
+///
+/// [`send`]: MessageCore::send
+/// [`poll_transmit`]: MessageCore::poll_transmit
+/// [`on_send_complete`]: MessageCore::on_send_complete
+/// [`on_recv`]: MessageCore::on_recv
+/// [`destination_ready`]: MessageCore::destination_ready
+/// [`poll_event`]: MessageCore::poll_event
+/// [`poll_recv`]: MessageCore::poll_recv
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MessageCore {
+    p: MessageParams,
+    credit_threshold: u16,
+
+    // Send side.
+    queue: VecDeque<OutboundMessage>,
+    /// RTS posted whose DONE has not arrived: (sequence number, token).
+    rts_outstanding: VecDeque<(u32, u64)>,
+    next_rts_seq: u32,
+    peer_credit: u16,
+    next_wr_id: u64,
+    outstanding: VecDeque<Outstanding>,
+    unsignaled_run: u16,
+
+    // Receive side.
+    /// Data messages received and not taken, arrival order.
+    inbox: VecDeque<Inbound>,
+    /// Inbox sequence number of `inbox[0]`.
+    inbox_base: u64,
+    reading: VecDeque<Reading>,
+    /// AllocateDestination events not answered yet.
+    allocs_pending: u16,
+    /// Rendezvous fully read whose DONE is not posted yet.
+    dones_owed: u16,
+    next_done_seq: u32,
+    /// Expected sequence number of the next RTS received.
+    next_rts_seq_in: u32,
+    /// Rendezvous received whose DONE is not posted (receiver's bound).
+    rdv_in: u16,
+    /// Receive slots returnable to the peer.
+    to_return: u16,
+
+    // Lifecycle.
+    local_abort: Option<(u32, bool)>,
+    peer_abort: Option<u32>,
+    lost: bool,
+    events: VecDeque<MsgEvent>,
+    credit_stalled: bool,
+    rdv_stalled: bool,
+    sq_stalled: bool,
+
+    stats: MessageStats,
+}
+
+fn check(
+    name: &'static str,
+    value: u64,
+    range: Range<u64>,
+    allowed: &'static str,
+) -> Result<(), MessageError> {
+    if range.contains(&value) {
+        Ok(())
+    } else {
+        Err(MessageError::InvalidParams {
+            name,
+            value,
+            allowed,
+        })
+    }
+}
+
+impl MessageCore {
+    /// Creates the state machine of a freshly connected endpoint: nothing
+    /// queued, full credit (`peer_recv_depth`).
+    ///
+    /// # Errors
+    ///
+    /// [`MessageError::InvalidParams`] naming the first field out of range
+    /// (see [`MessageParams`]).
+    pub fn new(params: MessageParams) -> Result<MessageCore, MessageError> {
+        let depth = u64::from(MIN_RECV_DEPTH)..u64::from(MAX_RECV_DEPTH) + 1;
+        let buf = RTS_HEADER_LEN as u64..u64::from(MAX_EAGER_BUF_LEN) + 1;
+        let p = params;
+        check("recv_depth", p.recv_depth.into(), depth.clone(), "4..=1023")?;
+        check(
+            "peer_recv_depth",
+            p.peer_recv_depth.into(),
+            depth,
+            "4..=1023",
+        )?;
+        check(
+            "eager_buf_len",
+            p.eager_buf_len.into(),
+            buf.clone(),
+            "20..=2^30 bytes",
+        )?;
+        check(
+            "peer_eager_buf_len",
+            p.peer_eager_buf_len.into(),
+            buf,
+            "20..=2^30 bytes",
+        )?;
+        check(
+            "eager_max",
+            p.eager_max.into(),
+            0..u64::from(p.eager_buf_len.min(p.peer_eager_buf_len)) + 1,
+            "0..=min(eager_buf_len, peer_eager_buf_len) bytes",
+        )?;
+        check(
+            "send_queue_depth",
+            p.send_queue_depth.into(),
+            1..1 << 16,
+            "at least 1",
+        )?;
+        check(
+            "max_read_len",
+            p.max_read_len.into(),
+            1..u64::from(MAX_READ_LEN) + 1,
+            "1..=2^31 bytes",
+        )?;
+        check(
+            "max_message_len",
+            p.max_message_len,
+            1..MAX_MESSAGE_LEN + 1,
+            "1..=2^48 bytes",
+        )?;
+        check(
+            "max_rendezvous_in_flight",
+            p.max_rendezvous_in_flight.into(),
+            1..1 << 16,
+            "at least 1",
+        )?;
+        check(
+            "signal_interval",
+            p.signal_interval.into(),
+            1..1 << 16,
+            "at least 1",
+        )?;
+        Ok(MessageCore {
+            p,
+            credit_threshold: (p.recv_depth / 4).max(2),
+            queue: VecDeque::new(),
+            rts_outstanding: VecDeque::new(),
+            next_rts_seq: 0,
+            peer_credit: p.peer_recv_depth,
+            next_wr_id: 1,
+            outstanding: VecDeque::new(),
+            unsignaled_run: 0,
+            inbox: VecDeque::new(),
+            inbox_base: 0,
+            reading: VecDeque::new(),
+            allocs_pending: 0,
+            dones_owed: 0,
+            next_done_seq: 0,
+            next_rts_seq_in: 0,
+            rdv_in: 0,
+            to_return: 0,
+            local_abort: None,
+            peer_abort: None,
+            lost: false,
+            events: VecDeque::new(),
+            credit_stalled: false,
+            rdv_stalled: false,
+            sq_stalled: false,
+            stats: MessageStats::default(),
+        })
+    }
+
+    /// The parameters this core was created with.
+    pub fn params(&self) -> &MessageParams {
+        &self.p
+    }
+
+    // ----- send side -------------------------------------------------------
+
+    fn send_state(&self) -> Result<(), SendError> {
+        if self.local_abort.is_some() {
+            Err(SendError::Aborted)
+        } else if self.peer_abort.is_some() || self.lost {
+            Err(SendError::Reset)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Queues a message. It goes EAGER if `len <= eager_max`, else by
+    /// rendezvous; messages are posted in the order queued. The runtime
+    /// keeps the buffer untouched until [`MsgEvent::SendDone`] (or
+    /// [`MsgEvent::Reclaim`]) names its token. The queue is unbounded; the
+    /// runtime applies back-pressure with [`queued`](MessageCore::queued).
+    ///
+    /// # Errors
+    ///
+    /// [`SendError::TooLong`] above `max_message_len`;
+    /// [`SendError::Aborted`] / [`SendError::Reset`] after an abort or a
+    /// lost connection. Nothing is queued then.
+    pub fn send(&mut self, msg: OutboundMessage) -> Result<(), SendError> {
+        self.send_state()?;
+        if msg.len > self.p.max_message_len {
+            return Err(SendError::TooLong {
+                len: msg.len,
+                max: self.p.max_message_len,
+            });
+        }
+        self.queue.push_back(msg);
+        Ok(())
+    }
+
+    /// Messages queued and not yet posted.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Rendezvous posted whose DONE has not arrived.
+    pub fn rendezvous_outstanding(&self) -> usize {
+        self.rts_outstanding.len()
+    }
+
+    /// Receive-buffer credits at the peer (including the
+    /// [`CONTROL_RESERVE`]).
+    pub fn peer_credit(&self) -> u16 {
+        self.peer_credit
+    }
+
+    /// WRs posted and not completed.
+    pub fn outstanding_wrs(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// Aborts the endpoint: queued messages are dropped (their tokens come
+    /// back as [`MsgEvent::Reclaim`], as do every unfinished send, received
+    /// message not yet taken and rendezvous destination), and the next
+    /// [`poll_transmit`](MessageCore::poll_transmit) returns an ABORT
+    /// carrying `code` (low 29 bits) once one credit is available; nothing
+    /// follows it. Best effort after the peer's ABORT or a lost connection
+    /// (nothing is sent). Only the first call's code is used.
+    pub fn abort(&mut self, code: u32) {
+        if self.local_abort.is_some() {
+            return;
+        }
+        let sent = self.peer_abort.is_some() || self.lost;
+        self.local_abort = Some((code & MAX_IMM_VALUE, sent));
+        self.reclaim_all();
+    }
+
+    /// The connection failed underneath the core (a completion with an
+    /// error status, the QP in the error state, a disconnect). Nothing is
+    /// sent afterwards; every buffer comes back as [`MsgEvent::Reclaim`].
+    pub fn on_connection_lost(&mut self) {
+        if !self.lost {
+            self.lost = true;
+            self.reclaim_all();
+        }
+    }
+
+    fn reclaim_all(&mut self) {
+        let mut tokens = Vec::new();
+        tokens.extend(self.queue.drain(..).map(|m| m.token));
+        for w in &mut self.outstanding {
+            if let WrKind::Eager { token } = w.kind {
+                tokens.push(token);
+            }
+            w.kind = WrKind::Plain;
+        }
+        tokens.extend(self.rts_outstanding.drain(..).map(|(_, t)| t));
+        for m in self.inbox.drain(..) {
+            match m {
+                Inbound::Eager { token, .. } => tokens.push(token),
+                Inbound::Rendezvous { dest: Some(t), .. } => tokens.push(t),
+                Inbound::Rendezvous { dest: None, .. } => {}
+            }
+        }
+        tokens.extend(self.reading.drain(..).filter_map(|r| r.dest));
+        self.dones_owed = 0;
+        self.events
+            .extend(tokens.into_iter().map(|token| MsgEvent::Reclaim { token }));
+    }
+
+    fn credit_due(&self) -> Option<u32> {
+        (self.to_return >= self.credit_threshold).then_some(u32::from(self.to_return))
+    }
+
+    /// The first rendezvous with a destination and bytes left to READ.
+    fn read_target(&self) -> Option<usize> {
+        self.reading
+            .iter()
+            .position(|r| r.dest.is_some() && r.issued < r.header.len)
+    }
+
+    fn next_action_any_slot(&self) -> Option<Action> {
+        if self.lost || self.peer_abort.is_some() {
+            return None;
+        }
+        if let Some((code, sent)) = self.local_abort {
+            return (!sent && self.peer_credit >= 1).then_some(Action::Abort(code));
+        }
+        if let Some(count) = self.credit_due() {
+            if self.peer_credit >= 1 {
+                return Some(Action::Credit(count));
+            }
+        }
+        if self.dones_owed > 0 && self.peer_credit >= 2 {
+            return Some(Action::Done);
+        }
+        if self.read_target().is_some() {
+            return Some(Action::Read);
+        }
+        let front = self.queue.front()?;
+        if self.peer_credit <= CONTROL_RESERVE {
+            return None;
+        }
+        if front.len <= u64::from(self.p.eager_max) {
+            Some(Action::Eager)
+        } else if self.rts_outstanding.len() < usize::from(self.p.max_rendezvous_in_flight) {
+            Some(Action::Rts)
+        } else {
+            None
+        }
+    }
+
+    fn next_action(&self) -> Option<Action> {
+        if self.outstanding.len() >= usize::from(self.p.send_queue_depth) {
+            return None;
+        }
+        self.next_action_any_slot()
+    }
+
+    fn note_stalls(&mut self) {
+        let open = self.send_state().is_ok();
+        let front = self.queue.front().filter(|_| open);
+        let credit = front.is_some() && self.peer_credit <= CONTROL_RESERVE;
+        if credit && !self.credit_stalled {
+            self.stats.credit_stalls += 1;
+        }
+        self.credit_stalled = credit;
+        let rdv = front.is_some_and(|m| m.len > u64::from(self.p.eager_max))
+            && self.rts_outstanding.len() >= usize::from(self.p.max_rendezvous_in_flight);
+        if rdv && !self.rdv_stalled {
+            self.stats.rendezvous_stalls += 1;
+        }
+        self.rdv_stalled = rdv;
+        let sq = self.outstanding.len() >= usize::from(self.p.send_queue_depth)
+            && self.next_action_any_slot().is_some();
+        if sq && !self.sq_stalled {
+            self.stats.send_queue_stalls += 1;
+        }
+        self.sq_stalled = sq;
+    }
+
+    /// The next WR to post, or `None` when nothing can go now (call again
+    /// after the next event).
+    ///
+    /// Order: ABORT (then nothing else); CREDIT once `max(2, recv_depth/4)`
+    /// slots are returnable; DONE (needs 2 credits); READs of rendezvous
+    /// with a destination (no credit needed), in RTS order, in chunks of at
+    /// most `max_read_len`; then the next queued message, EAGER or RTS
+    /// (needs more than [`CONTROL_RESERVE`] credits; an RTS also a free
+    /// rendezvous slot; a blocked message blocks those behind it). At most
+    /// `send_queue_depth` WRs are outstanding. A WR is signaled every
+    /// `signal_interval`-th time, for ABORT, and when it is the last one
+    /// that can be posted now.
+    pub fn poll_transmit(&mut self) -> Option<MsgTransmit> {
+        self.note_stalls();
+        let action = self.next_action()?;
+        let mut always_signal = false;
+        let (kind, wr_kind) = match action {
+            Action::Abort(code) => {
+                if let Some((_, sent)) = &mut self.local_abort {
+                    *sent = true;
+                }
+                always_signal = true;
+                let imm = MsgImm::Abort { code }.encode();
+                (MsgTransmitKind::Control { imm }, WrKind::Plain)
+            }
+            Action::Credit(count) => {
+                self.to_return -= count as u16;
+                self.stats.credits_sent += 1;
+                let imm = MsgImm::Credit { count }.encode();
+                (MsgTransmitKind::Control { imm }, WrKind::Plain)
+            }
+            Action::Done => {
+                self.dones_owed -= 1;
+                self.rdv_in -= 1;
+                let seq = self.next_done_seq;
+                self.next_done_seq = (seq + 1) & MAX_IMM_VALUE;
+                let imm = MsgImm::Done { seq }.encode();
+                (MsgTransmitKind::Control { imm }, WrKind::Plain)
+            }
+            Action::Read => {
+                let i = self.read_target()?;
+                let max = u64::from(self.p.max_read_len);
+                let r = &mut self.reading[i];
+                let local_token = r.dest?;
+                let len = (r.header.len - r.issued).min(max) as u32;
+                let local_offset = r.issued;
+                r.issued += u64::from(len);
+                let kind = MsgTransmitKind::Read {
+                    local_token,
+                    local_offset,
+                    remote_addr: r.header.addr + local_offset,
+                    rkey: r.header.rkey,
+                    len,
+                };
+                self.stats.read_wrs += 1;
+                self.stats.read_bytes += u64::from(len);
+                (kind, WrKind::Read { seq: r.seq, len })
+            }
+            Action::Eager => {
+                let m = self.queue.pop_front()?;
+                // len <= eager_max <= 2^30.
+                let len = m.len as u32;
+                let inline = len <= self.p.inline_threshold;
+                self.stats.messages_sent += 1;
+                self.stats.bytes_sent += m.len;
+                self.stats.eager_sent += 1;
+                self.stats.inline_sent += u64::from(inline);
+                let kind = MsgTransmitKind::Eager {
+                    token: m.token,
+                    len,
+                    imm: MsgImm::Eager.encode(),
+                    inline,
+                };
+                (kind, WrKind::Eager { token: m.token })
+            }
+            Action::Rts => {
+                let m = self.queue.pop_front()?;
+                let seq = self.next_rts_seq;
+                self.next_rts_seq = (seq + 1) & MAX_IMM_VALUE;
+                self.rts_outstanding.push_back((seq, m.token));
+                self.stats.messages_sent += 1;
+                self.stats.bytes_sent += m.len;
+                self.stats.rendezvous_sent += 1;
+                let header = RtsHeader {
+                    len: m.len,
+                    addr: m.addr,
+                    rkey: m.rkey,
+                }
+                .encode();
+                let kind = MsgTransmitKind::Rts {
+                    header,
+                    imm: MsgImm::Rts { seq }.encode(),
+                    inline: RTS_HEADER_LEN as u32 <= self.p.inline_threshold,
+                };
+                (kind, WrKind::Plain)
+            }
+        };
+        if !matches!(kind, MsgTransmitKind::Read { .. }) {
+            self.peer_credit -= 1;
+        }
+        if matches!(kind, MsgTransmitKind::Control { .. }) {
+            self.stats.control_sent += 1;
+        }
+        let wr_id = self.next_wr_id;
+        self.next_wr_id += 1;
+        self.outstanding.push_back(Outstanding {
+            wr_id,
+            kind: wr_kind,
+        });
+        let signaled = always_signal
+            || self.unsignaled_run + 1 >= self.p.signal_interval
+            || self.next_action().is_none();
+        if signaled {
+            self.unsignaled_run = 0;
+            self.stats.signaled += 1;
+        } else {
+            self.unsignaled_run += 1;
+        }
+        self.stats.wrs_posted += 1;
+        Some(MsgTransmit {
+            wr_id,
+            kind,
+            signaled,
+        })
+    }
+
+    /// A signaled send-queue WR (SEND or READ) completed successfully. By
+    /// RC ordering every earlier WR completed too: EAGER buffers among them
+    /// are released ([`MsgEvent::SendDone`]) and READ bytes counted; a
+    /// rendezvous whose READs all completed gets its DONE queued and becomes
+    /// deliverable.
+    ///
+    /// # Errors
+    ///
+    /// [`MessageError::UnknownWrId`] if `wr_id` is not outstanding; nothing
+    /// changes then.
+    pub fn on_send_complete(&mut self, wr_id: u64) -> Result<(), MessageError> {
+        let (Some(first), Some(last)) = (self.outstanding.front(), self.outstanding.back()) else {
+            return Err(MessageError::UnknownWrId {
+                wr_id,
+                outstanding: None,
+            });
+        };
+        let (first, last) = (first.wr_id, last.wr_id);
+        if wr_id < first || wr_id > last {
+            return Err(MessageError::UnknownWrId {
+                wr_id,
+                outstanding: Some((first, last)),
+            });
+        }
+        while let Some(done) = self.outstanding.pop_front() {
+            match done.kind {
+                WrKind::Plain => {}
+                WrKind::Eager { token } => self.events.push_back(MsgEvent::SendDone { token }),
+                WrKind::Read { seq, len } => self.read_completed(seq, len),
+            }
+            if done.wr_id == wr_id {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn read_completed(&mut self, seq: u64, len: u32) {
+        if let Some(r) = self.reading.iter_mut().find(|r| r.seq == seq) {
+            r.completed += u64::from(len);
+        }
+        // READs complete in order, so finished rendezvous are at the front.
+        while self
+            .reading
+            .front()
+            .is_some_and(|r| r.completed >= r.header.len)
+        {
+            let Some(r) = self.reading.pop_front() else {
+                break;
+            };
+            if let Some(slot) = r
+                .seq
+                .checked_sub(self.inbox_base)
+                .and_then(|i| self.inbox.get_mut(i as usize))
+            {
+                *slot = Inbound::Rendezvous {
+                    len: r.header.len,
+                    dest: r.dest,
+                };
+            }
+            self.dones_owed += 1;
+        }
+    }
+
+    /// The next runtime event, oldest first.
+    pub fn poll_event(&mut self) -> Option<MsgEvent> {
+        self.events.pop_front()
+    }
+
+    // ----- receive side ----------------------------------------------------
+
+    /// Processes one receive completion (`IBV_WC_RECV` with immediate):
+    /// host-order `imm`, the completion's `byte_len`, the receive buffer's
+    /// token, and `payload`, the buffer's first bytes (at least the first 20
+    /// for an RTS; the core reads nothing else). The runtime has already
+    /// reposted a fresh buffer.
+    ///
+    /// Returns whether the runtime keeps the buffer (an EAGER message, until
+    /// the application takes it) or releases it now.
+    ///
+    /// # Errors
+    ///
+    /// In this order: [`MessageError::MessageAfterAbort`];
+    /// [`MessageError::RecvOverrun`]; [`MessageError::UnknownType`] /
+    /// [`MessageError::BadImm`]; for EAGER [`MessageError::EagerTooLong`];
+    /// for RTS [`MessageError::BadRtsHeader`],
+    /// [`MessageError::BadSequence`], [`MessageError::BadMessageLen`],
+    /// [`MessageError::BadRtsAddress`], [`MessageError::RendezvousOverrun`]
+    /// (nothing is allocated for a rejected RTS); for the others
+    /// [`MessageError::UnexpectedPayload`], then for DONE
+    /// [`MessageError::UnexpectedDone`] / [`MessageError::BadSequence`] and
+    /// for CREDIT [`MessageError::CreditOverflow`]. On any error the core
+    /// aborts with [`MessageError::abort_code`]; release the buffer.
+    pub fn on_recv(
+        &mut self,
+        imm: u32,
+        byte_len: u32,
+        recv_buf_token: u64,
+        payload: &[u8],
+    ) -> Result<RecvDisposition, MessageError> {
+        let result = self.on_recv_inner(imm, byte_len, recv_buf_token, payload);
+        if let Err(err) = &result {
+            self.abort(err.abort_code());
+        }
+        result
+    }
+
+    fn on_recv_inner(
+        &mut self,
+        imm: u32,
+        byte_len: u32,
+        token: u64,
+        payload: &[u8],
+    ) -> Result<RecvDisposition, MessageError> {
+        if self.peer_abort.is_some() {
+            return Err(MessageError::MessageAfterAbort { imm });
+        }
+        let consumed = u32::from(self.to_return) + self.held() + 1;
+        if consumed > u32::from(self.p.recv_depth) {
+            return Err(MessageError::RecvOverrun {
+                consumed,
+                recv_depth: self.p.recv_depth,
+            });
+        }
+        let msg = MsgImm::decode(imm)?;
+        if !matches!(msg, MsgImm::Eager | MsgImm::Rts { .. }) && byte_len != 0 {
+            return Err(MessageError::UnexpectedPayload { imm, byte_len });
+        }
+        let aborted_here = self.local_abort.is_some() || self.lost;
+        match msg {
+            MsgImm::Eager => {
+                if byte_len > self.p.eager_max {
+                    return Err(MessageError::EagerTooLong {
+                        len: byte_len,
+                        eager_max: self.p.eager_max,
+                    });
+                }
+                self.stats.eager_received += 1;
+                if aborted_here {
+                    self.to_return += 1;
+                    return Ok(RecvDisposition::Release);
+                }
+                self.inbox.push_back(Inbound::Eager {
+                    token,
+                    len: byte_len,
+                });
+                Ok(RecvDisposition::Keep)
+            }
+            MsgImm::Rts { seq } => {
+                let header = match RtsHeader::decode(payload) {
+                    Some(h) if byte_len as usize == RTS_HEADER_LEN => h,
+                    _ => {
+                        return Err(MessageError::BadRtsHeader {
+                            byte_len,
+                            available: payload.len(),
+                        });
+                    }
+                };
+                if seq != self.next_rts_seq_in {
+                    return Err(MessageError::BadSequence {
+                        what: "RTS",
+                        got: seq,
+                        expected: self.next_rts_seq_in,
+                    });
+                }
+                if header.len == 0 || header.len > self.p.max_message_len {
+                    return Err(MessageError::BadMessageLen {
+                        len: header.len,
+                        max: self.p.max_message_len,
+                    });
+                }
+                if header.addr.checked_add(header.len).is_none() {
+                    return Err(MessageError::BadRtsAddress {
+                        addr: header.addr,
+                        len: header.len,
+                    });
+                }
+                if self.rdv_in >= self.p.max_rendezvous_in_flight {
+                    return Err(MessageError::RendezvousOverrun {
+                        in_flight: self.rdv_in,
+                        max: self.p.max_rendezvous_in_flight,
+                    });
+                }
+                self.next_rts_seq_in = (seq + 1) & MAX_IMM_VALUE;
+                self.stats.rendezvous_received += 1;
+                if aborted_here {
+                    self.to_return += 1;
+                    return Ok(RecvDisposition::Release);
+                }
+                self.rdv_in += 1;
+                let seq = self.inbox_base + self.inbox.len() as u64;
+                self.inbox.push_back(Inbound::Rendezvous {
+                    len: header.len,
+                    dest: None,
+                });
+                self.reading.push_back(Reading {
+                    seq,
+                    header,
+                    dest: None,
+                    issued: 0,
+                    completed: 0,
+                });
+                self.allocs_pending += 1;
+                self.events
+                    .push_back(MsgEvent::AllocateDestination { len: header.len });
+                Ok(RecvDisposition::Release)
+            }
+            MsgImm::Done { seq } => {
+                let Some(&(expected, token)) = self.rts_outstanding.front() else {
+                    if aborted_here {
+                        // Reclaimed already; the DONE is late, not wrong.
+                        self.to_return += 1;
+                        self.stats.control_received += 1;
+                        return Ok(RecvDisposition::Release);
+                    }
+                    return Err(MessageError::UnexpectedDone { seq });
+                };
+                if seq != expected {
+                    return Err(MessageError::BadSequence {
+                        what: "DONE",
+                        got: seq,
+                        expected,
+                    });
+                }
+                self.rts_outstanding.pop_front();
+                self.events.push_back(MsgEvent::SendDone { token });
+                self.to_return += 1;
+                self.stats.control_received += 1;
+                Ok(RecvDisposition::Release)
+            }
+            MsgImm::Credit { count } => {
+                let outstanding = self.p.peer_recv_depth - self.peer_credit;
+                if count > u32::from(outstanding) {
+                    return Err(MessageError::CreditOverflow { count, outstanding });
+                }
+                self.peer_credit += count as u16;
+                self.to_return += 1;
+                self.stats.control_received += 1;
+                Ok(RecvDisposition::Release)
+            }
+            MsgImm::Abort { code } => {
+                self.peer_abort = Some(code);
+                self.to_return += 1;
+                self.stats.control_received += 1;
+                self.events.push_back(MsgEvent::Aborted { code });
+                if !aborted_here {
+                    self.reclaim_all();
+                }
+                Ok(RecvDisposition::Release)
+            }
+        }
+    }
+
+    /// Data messages received and not taken by the application.
+    fn held(&self) -> u32 {
+        self.inbox.len() as u32
+    }
+
+    /// The runtime allocated `token` for the oldest unanswered
+    /// [`MsgEvent::AllocateDestination`]; its READs can start. After an
+    /// abort the token comes straight back as [`MsgEvent::Reclaim`].
+    ///
+    /// # Errors
+    ///
+    /// [`MessageError::NoDestinationRequested`] if no request is
+    /// unanswered; nothing changes then.
+    pub fn destination_ready(&mut self, token: u64) -> Result<(), MessageError> {
+        if self.allocs_pending == 0 {
+            return Err(MessageError::NoDestinationRequested { token });
+        }
+        self.allocs_pending -= 1;
+        match self.reading.iter_mut().find(|r| r.dest.is_none()) {
+            Some(r) => r.dest = Some(token),
+            None => self.events.push_back(MsgEvent::Reclaim { token }),
+        }
+        Ok(())
+    }
+
+    /// Hands the next message, in send order, to the application, if it is
+    /// complete. Taking it makes its receive slot returnable credit, so an
+    /// application that stops calling this stalls the peer after
+    /// `recv_depth - 2` messages. The application owns the buffer from now
+    /// on. `None` after an abort.
+    pub fn poll_recv(&mut self) -> Option<Delivery> {
+        let delivery = match *self.inbox.front()? {
+            Inbound::Eager { token, len } => Delivery::Eager {
+                recv_buf_token: token,
+                len,
+            },
+            Inbound::Rendezvous { len, dest: Some(t) } => {
+                Delivery::Rendezvous { dest_token: t, len }
+            }
+            Inbound::Rendezvous { dest: None, .. } => return None,
+        };
+        self.inbox.pop_front();
+        self.inbox_base += 1;
+        self.to_return += 1;
+        self.stats.messages_received += 1;
+        self.stats.bytes_received += delivery.len();
+        Some(delivery)
+    }
+
+    /// Messages received (complete or not) and not yet taken.
+    pub fn pending_recv(&self) -> usize {
+        self.inbox.len()
+    }
+
+    /// True once every queued message is posted, every rendezvous got its
+    /// DONE, every DONE owed is posted and every WR completed (or, after an
+    /// abort, the ABORT was posted and completed; after the peer's ABORT or
+    /// a lost connection: always).
+    pub fn all_sent(&self) -> bool {
+        if self.lost || self.peer_abort.is_some() {
+            return true;
+        }
+        let queued_done = match self.local_abort {
+            Some((_, sent)) => sent,
+            None => {
+                self.queue.is_empty()
+                    && self.rts_outstanding.is_empty()
+                    && self.dones_owed == 0
+                    && self.reading.is_empty()
+            }
+        };
+        queued_done && self.outstanding.is_empty()
+    }
+
+    /// True after [`abort`](MessageCore::abort), a protocol error, or the
+    /// peer's ABORT.
+    pub fn is_aborted(&self) -> bool {
+        self.local_abort.is_some() || self.peer_abort.is_some()
+    }
+
+    /// This side's abort code, if it aborted.
+    pub fn local_abort_code(&self) -> Option<u32> {
+        self.local_abort.map(|(code, _)| code)
+    }
+
+    /// The peer's abort code, if its ABORT arrived.
+    pub fn peer_abort_code(&self) -> Option<u32> {
+        self.peer_abort
+    }
+
+    /// The endpoint's counters.
+    pub fn stats(&self) -> MessageStats {
+        self.stats
+    }
+
+    /// Receive slots held for the peer: returnable plus held by untaken
+    /// messages (for the tests' conservation checks).
+    #[cfg(test)]
+    pub(crate) fn unreturned(&self) -> u32 {
+        u32::from(self.to_return) + self.held()
+    }
+
+    /// Forgets the stall flags and counters (they depend on how often
+    /// `poll_transmit` was called), for the exhaustive search.
+    #[cfg(test)]
+    pub(crate) fn forget_stalls(&mut self) {
+        self.stats.credit_stalls = 0;
+        self.stats.rendezvous_stalls = 0;
+        self.stats.send_queue_stalls = 0;
+        self.credit_stalled = false;
+        self.rdv_stalled = false;
+        self.sq_stalled = false;
+    }
+}

@@ -1,0 +1,1602 @@
+//! In-memory tests of the message core: a `Pair` of [`MessageCore`]s joined
+//! by a simulated RC queue pair.
+//!
+//! The simulated NIC: every buffer a side's runtime owns is a `Vec<u8>` keyed
+//! by token (send buffers, kept receive buffers, rendezvous destinations). A
+//! SEND's payload is read from the sender's buffer when the WR is *delivered*
+//! (inline payloads and RTS headers when posted) and handed to the peer's
+//! `on_recv` with a fresh receive-buffer token; a READ is executed, in the
+//! reader's send-queue order, from the peer's registered buffer named by
+//! (addr, rkey), which must still exist (a released send buffer would be a
+//! use-after-free). Signaled WRs complete after delivery, in order. Every
+//! message's content is a seeded pattern, checked byte for byte on delivery;
+//! at the end no side holds any buffer (nothing leaks).
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::hash::{Hash, Hasher};
+
+use super::message::{
+    CONTROL_RESERVE, Delivery, MAX_IMM_VALUE, MessageCore, MessageError, MessageParams,
+    MessageStats, MsgEvent, MsgImm, MsgTransmit, MsgTransmitKind, OutboundMessage, RTS_HEADER_LEN,
+    RecvDisposition, RtsHeader, SendError,
+};
+
+// ----- deterministic randomness ---------------------------------------------
+
+/// xorshift64*.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.next() % 100 < percent
+    }
+}
+
+/// The content of message `idx` sent by side `side`: a seeded pattern, so a
+/// misplaced, truncated or swapped message is visible.
+fn content(side: usize, idx: u64, len: u64) -> Vec<u8> {
+    let mut x = (idx + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (side as u64 + 1) << 56 | 1;
+    let mut out = vec![0u8; len as usize];
+    for chunk in out.chunks_mut(8) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let v = x.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+    out
+}
+
+// ----- the harness -------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy)]
+struct Cfg {
+    recv_depth: u16,
+    eager_buf_len: u32,
+    eager_max: u32,
+    inline_threshold: u32,
+    send_queue_depth: u16,
+    max_read_len: u32,
+    max_message_len: u64,
+    max_rendezvous_in_flight: u16,
+    signal_interval: u16,
+}
+
+impl Default for Cfg {
+    fn default() -> Cfg {
+        Cfg {
+            recv_depth: 64,
+            eager_buf_len: 8192,
+            eager_max: 8192,
+            inline_threshold: 64,
+            send_queue_depth: 128,
+            max_read_len: 1 << 20,
+            max_message_len: 1 << 30,
+            max_rendezvous_in_flight: 4,
+            signal_interval: 16,
+        }
+    }
+}
+
+fn params(local: Cfg, peer: Cfg) -> MessageParams {
+    MessageParams {
+        recv_depth: local.recv_depth,
+        peer_recv_depth: peer.recv_depth,
+        eager_buf_len: local.eager_buf_len,
+        peer_eager_buf_len: peer.eager_buf_len,
+        eager_max: local.eager_max.min(peer.eager_max),
+        inline_threshold: local.inline_threshold,
+        send_queue_depth: local.send_queue_depth,
+        max_read_len: local.max_read_len,
+        max_message_len: local.max_message_len.min(peer.max_message_len),
+        max_rendezvous_in_flight: local
+            .max_rendezvous_in_flight
+            .min(peer.max_rendezvous_in_flight),
+        signal_interval: local.signal_interval,
+    }
+}
+
+/// Address of a send buffer in the simulated address space.
+fn addr_of(token: u64) -> u64 {
+    token << 40
+}
+
+fn rkey_of(token: u64) -> u32 {
+    0x5000_0000 | token as u32
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct InFlight {
+    t: MsgTransmit,
+    /// Inline payload or RTS header, copied when posted.
+    copied: Option<Vec<u8>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Side {
+    id: usize,
+    core: MessageCore,
+    /// Every buffer this side's runtime owns, by token.
+    bufs: BTreeMap<u64, Vec<u8>>,
+    next_token: u64,
+    /// Lengths of the messages queued so far, in order.
+    lens: Vec<u64>,
+    /// Messages taken by the application so far (checked).
+    taken: u64,
+    posted: u64,
+    wire: VecDeque<InFlight>,
+    completions: VecDeque<u64>,
+    log: Vec<MsgTransmit>,
+    events: Vec<MsgEvent>,
+    /// AllocateDestination requests not yet answered (lengths).
+    allocs: VecDeque<u64>,
+    /// Whether `drive` answers allocation requests.
+    allocating: bool,
+    /// Whether `drive` lets the application take messages.
+    reading: bool,
+}
+
+const A: usize = 0;
+const B: usize = 1;
+
+impl Side {
+    fn new(id: usize, local: Cfg, peer: Cfg) -> Side {
+        Side {
+            id,
+            core: MessageCore::new(params(local, peer)).expect("valid params"),
+            bufs: BTreeMap::new(),
+            next_token: 1,
+            lens: Vec::new(),
+            taken: 0,
+            posted: 0,
+            wire: VecDeque::new(),
+            completions: VecDeque::new(),
+            log: Vec::new(),
+            events: Vec::new(),
+            allocs: VecDeque::new(),
+            allocating: true,
+            reading: true,
+        }
+    }
+
+    fn new_token(&mut self) -> u64 {
+        let t = self.next_token;
+        self.next_token += 1;
+        t
+    }
+
+    /// Queues the next message, of `len` bytes.
+    fn send(&mut self, len: u64) -> Result<(), SendError> {
+        let token = self.new_token();
+        let msg = OutboundMessage {
+            token,
+            len,
+            addr: addr_of(token),
+            rkey: rkey_of(token),
+        };
+        self.core.send(msg)?;
+        let idx = self.lens.len() as u64;
+        self.bufs.insert(token, content(self.id, idx, len));
+        self.lens.push(len);
+        Ok(())
+    }
+
+    fn post_one(&mut self) -> Option<MsgTransmit> {
+        let t = self.core.poll_transmit()?;
+        let p = *self.core.params();
+        self.posted += 1;
+        assert_eq!(t.wr_id, self.posted, "wr_ids count up from 1");
+        let copied = match t.kind {
+            MsgTransmitKind::Eager {
+                token,
+                len,
+                imm,
+                inline,
+            } => {
+                assert!(len <= p.eager_max, "{t:?}");
+                assert_eq!(MsgImm::decode(imm), Ok(MsgImm::Eager));
+                assert_eq!(inline, len <= p.inline_threshold);
+                let buf = self.bufs.get(&token).expect("EAGER of a live buffer");
+                assert!(buf.len() >= len as usize);
+                inline.then(|| buf[..len as usize].to_vec())
+            }
+            MsgTransmitKind::Rts { header, imm, .. } => {
+                assert!(matches!(MsgImm::decode(imm), Ok(MsgImm::Rts { .. })));
+                let h = RtsHeader::decode(&header).unwrap();
+                assert!(h.len > u64::from(p.eager_max) && h.len <= p.max_message_len);
+                Some(header.to_vec())
+            }
+            MsgTransmitKind::Control { imm } => {
+                assert!(
+                    matches!(
+                        MsgImm::decode(imm),
+                        Ok(MsgImm::Credit { .. } | MsgImm::Done { .. } | MsgImm::Abort { .. })
+                    ),
+                    "{t:?}"
+                );
+                None
+            }
+            MsgTransmitKind::Read { len, .. } => {
+                assert!(len >= 1 && len <= p.max_read_len, "{t:?}");
+                None
+            }
+        };
+        self.log.push(t);
+        self.wire.push_back(InFlight { t, copied });
+        Some(t)
+    }
+
+    fn post_all(&mut self) -> usize {
+        let mut n = 0;
+        while self.post_one().is_some() {
+            n += 1;
+        }
+        n
+    }
+
+    fn complete_one(&mut self) -> bool {
+        let Some(wr_id) = self.completions.pop_front() else {
+            return false;
+        };
+        self.core
+            .on_send_complete(wr_id)
+            .expect("completion of an outstanding WR");
+        true
+    }
+
+    /// Handles the core's events; returns how many.
+    fn events(&mut self) -> usize {
+        let mut n = 0;
+        while let Some(e) = self.core.poll_event() {
+            n += 1;
+            match e {
+                MsgEvent::SendDone { token } | MsgEvent::Reclaim { token } => {
+                    assert!(self.bufs.remove(&token).is_some(), "{e:?} of a live buffer");
+                }
+                MsgEvent::AllocateDestination { len } => self.allocs.push_back(len),
+                MsgEvent::Aborted { .. } => {}
+            }
+            self.events.push(e);
+        }
+        n
+    }
+
+    fn answer_alloc(&mut self) -> bool {
+        let Some(len) = self.allocs.pop_front() else {
+            return false;
+        };
+        let token = self.new_token();
+        self.bufs.insert(token, vec![0; len as usize]);
+        self.core.destination_ready(token).expect("requested");
+        true
+    }
+
+    fn count_events(&self, f: impl Fn(&MsgEvent) -> bool) -> usize {
+        self.events.iter().filter(|e| f(e)).count()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Pair {
+    s: [Side; 2],
+}
+
+impl Pair {
+    fn new(a: Cfg, b: Cfg) -> Pair {
+        Pair {
+            s: [Side::new(A, a, b), Side::new(B, b, a)],
+        }
+    }
+
+    fn symmetric(cfg: Cfg) -> Pair {
+        Pair::new(cfg, cfg)
+    }
+
+    /// Delivers (executes) the oldest WR `from` posted.
+    fn deliver(&mut self, from: usize) -> Option<Result<RecvDisposition, MessageError>> {
+        let [a, b] = &mut self.s;
+        let (src, dst) = if from == A { (a, b) } else { (b, a) };
+        let InFlight { t, copied } = src.wire.pop_front()?;
+        let result = match t.kind {
+            MsgTransmitKind::Read {
+                local_token,
+                local_offset,
+                remote_addr,
+                rkey,
+                len,
+            } => {
+                // The reader's NIC pulls from the peer's registered buffer.
+                let token = u64::from(rkey & 0x0FFF_FFFF);
+                assert_eq!(rkey, rkey_of(token), "{t:?}");
+                let remote = dst.bufs.get(&token).expect("READ of a live send buffer");
+                let off = (remote_addr - addr_of(token)) as usize;
+                let data = &remote[off..off + len as usize];
+                let dest = src.bufs.get_mut(&local_token).expect("live destination");
+                dest[local_offset as usize..][..len as usize].copy_from_slice(data);
+                Ok(RecvDisposition::Release)
+            }
+            MsgTransmitKind::Eager {
+                token, len, imm, ..
+            } => {
+                let payload = copied.unwrap_or_else(|| src.bufs[&token][..len as usize].to_vec());
+                let rb = dst.new_token();
+                let r = dst.core.on_recv(imm, len, rb, &payload);
+                if r == Ok(RecvDisposition::Keep) {
+                    dst.bufs.insert(rb, payload);
+                }
+                r
+            }
+            MsgTransmitKind::Rts { imm, .. } => {
+                let header = copied.expect("header");
+                let rb = dst.new_token();
+                dst.core.on_recv(imm, RTS_HEADER_LEN as u32, rb, &header)
+            }
+            MsgTransmitKind::Control { imm } => {
+                let rb = dst.new_token();
+                dst.core.on_recv(imm, 0, rb, &[])
+            }
+        };
+        if let Ok(d) = result {
+            if !matches!(t.kind, MsgTransmitKind::Eager { .. }) {
+                assert_eq!(d, RecvDisposition::Release);
+            }
+        }
+        if t.signaled {
+            src.completions.push_back(t.wr_id);
+        }
+        Some(result)
+    }
+
+    fn deliver_all(&mut self, from: usize) -> usize {
+        let mut n = 0;
+        while let Some(r) = self.deliver(from) {
+            r.expect("valid message");
+            n += 1;
+        }
+        n
+    }
+
+    /// The application of `side` takes the next message; checks it.
+    fn take(&mut self, side: usize) -> Option<Delivery> {
+        let [a, b] = &mut self.s;
+        let (me, peer) = if side == A { (a, b) } else { (b, a) };
+        let d = me.core.poll_recv()?;
+        let idx = me.taken;
+        let len = peer.lens[idx as usize];
+        assert_eq!(
+            d.len(),
+            len,
+            "length of message {idx} from side {}",
+            peer.id
+        );
+        if let Delivery::Eager { .. } = d {
+            assert!(len <= u64::from(me.core.params().eager_max));
+        }
+        let buf = me
+            .bufs
+            .remove(&d.token())
+            .expect("delivered buffer is live");
+        assert!(
+            buf[..len as usize] == content(peer.id, idx, len),
+            "content of message {idx} from side {}",
+            peer.id
+        );
+        me.taken += 1;
+        Some(d)
+    }
+
+    fn take_all(&mut self, side: usize) -> usize {
+        let mut n = 0;
+        while self.take(side).is_some() {
+            n += 1;
+        }
+        n
+    }
+
+    /// Runs everything that can run until nothing changes.
+    fn drive(&mut self) -> usize {
+        let mut steps = 0;
+        loop {
+            let mut progress = 0;
+            for side in [A, B] {
+                progress += self.s[side].post_all();
+            }
+            for side in [A, B] {
+                progress += self.deliver_all(side);
+            }
+            for side in [A, B] {
+                while self.s[side].complete_one() {
+                    progress += 1;
+                }
+                progress += self.s[side].events();
+                if self.s[side].allocating {
+                    while self.s[side].answer_alloc() {
+                        progress += 1;
+                    }
+                }
+                if self.s[side].reading {
+                    progress += self.take_all(side);
+                }
+            }
+            if progress == 0 {
+                return steps;
+            }
+            steps += progress;
+        }
+    }
+
+    /// Credit is conserved in both directions whatever is in flight.
+    fn assert_conservation(&self) {
+        for from in [A, B] {
+            let (src, dst) = (&self.s[from], &self.s[1 - from]);
+            let mut sends = 0u64;
+            for w in &src.wire {
+                if !matches!(w.t.kind, MsgTransmitKind::Read { .. }) {
+                    sends += 1;
+                }
+            }
+            let mut back = 0u64;
+            for w in &dst.wire {
+                if let MsgTransmitKind::Control { imm } = w.t.kind {
+                    if let Ok(MsgImm::Credit { count }) = MsgImm::decode(imm) {
+                        back += u64::from(count);
+                    }
+                }
+            }
+            assert_eq!(
+                u64::from(src.core.peer_credit()) + sends + u64::from(dst.core.unreturned()) + back,
+                u64::from(dst.core.params().recv_depth),
+                "credit of side {from}"
+            );
+        }
+    }
+
+    /// The end state of a clean exchange: everything delivered, intact, in
+    /// order, and no buffer left anywhere.
+    fn assert_done(&self) {
+        for side in [A, B] {
+            let me = &self.s[side];
+            let peer = &self.s[1 - side];
+            assert_eq!(me.taken, peer.lens.len() as u64, "side {side} took all");
+            assert!(me.core.all_sent(), "side {side} all sent");
+            assert!(me.wire.is_empty() && me.completions.is_empty());
+            assert!(me.bufs.is_empty(), "side {side} leaks {:?}", me.bufs.keys());
+            assert!(me.allocs.is_empty());
+            assert_eq!(me.core.outstanding_wrs(), 0);
+            assert_eq!(me.core.queued(), 0);
+            assert_eq!(me.core.pending_recv(), 0);
+            let s = me.core.stats();
+            let ps = peer.core.stats();
+            let big = u64::from(me.core.params().eager_max);
+            let rdv = me.lens.iter().filter(|&&l| l > big).count() as u64;
+            assert_eq!(s.messages_sent, me.lens.len() as u64);
+            assert_eq!(s.bytes_sent, me.lens.iter().sum::<u64>());
+            assert_eq!(
+                (s.rendezvous_sent, s.eager_sent),
+                (rdv, s.messages_sent - rdv)
+            );
+            assert_eq!(s.messages_received, peer.lens.len() as u64);
+            assert_eq!(s.bytes_received, ps.bytes_sent);
+            assert_eq!(s.eager_received, ps.eager_sent);
+            assert_eq!(s.rendezvous_received, ps.rendezvous_sent);
+            assert_eq!(
+                s.read_bytes,
+                peer.lens.iter().filter(|&&l| l > big).sum::<u64>()
+            );
+            assert_eq!(s.wrs_posted, me.posted);
+            assert_eq!(s.wrs_posted, s.messages_sent + s.control_sent + s.read_wrs);
+            assert_eq!(s.control_received, ps.control_sent);
+            assert_eq!(
+                me.count_events(|e| matches!(e, MsgEvent::SendDone { .. })),
+                me.lens.len()
+            );
+            assert_eq!(
+                me.count_events(|e| matches!(e, MsgEvent::AllocateDestination { .. })) as u64,
+                ps.rendezvous_sent
+            );
+        }
+    }
+}
+
+// ----- sizes ---------------------------------------------------------------
+
+#[test]
+fn messages_of_every_size_class_arrive_intact() {
+    // READs chunked at 256 KiB so that 1 MiB and 64 MiB take several.
+    let cfg = Cfg {
+        max_read_len: 256 << 10,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    let sizes = [0u64, 1, 4096, 8192, 8193, 1 << 20, 64 << 20];
+    for &len in &sizes {
+        pair.s[A].send(len).unwrap();
+    }
+    pair.drive();
+    assert_eq!(pair.s[B].taken, sizes.len() as u64);
+    let a = pair.s[A].core.stats();
+    let b = pair.s[B].core.stats();
+    assert_eq!((a.eager_sent, a.rendezvous_sent), (4, 3));
+    assert_eq!((b.eager_received, b.rendezvous_received), (4, 3));
+    assert_eq!(a.inline_sent, 2, "0 and 1 byte go inline");
+    // 8193 B: 1 READ; 1 MiB: 4; 64 MiB: 256.
+    assert_eq!(b.read_wrs, 1 + 4 + 256);
+    assert_eq!(b.read_bytes, 8193 + (1 << 20) + (64 << 20));
+    assert_eq!(a.bytes_sent, sizes.iter().sum::<u64>());
+    assert_eq!(b.bytes_received, sizes.iter().sum::<u64>());
+    // Every rendezvous was announced with exactly its length.
+    let asked: Vec<u64> = pair.s[B]
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            MsgEvent::AllocateDestination { len } => Some(*len),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(asked, vec![8193, 1 << 20, 64 << 20]);
+    // READ chunks cover each destination exactly, in order.
+    let reads: Vec<(u64, u32)> = pair.s[B]
+        .log
+        .iter()
+        .filter_map(|t| match t.kind {
+            MsgTransmitKind::Read {
+                local_offset, len, ..
+            } => Some((local_offset, len)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reads[0], (0, 8193));
+    assert_eq!(
+        reads[1..5],
+        [
+            (0, 262_144),
+            (262_144, 262_144),
+            (524_288, 262_144),
+            (786_432, 262_144)
+        ]
+    );
+    assert_eq!(reads[5], (0, 262_144));
+    assert_eq!(*reads.last().unwrap(), ((64 << 20) - 262_144, 262_144));
+    pair.assert_done();
+}
+
+#[test]
+fn rts_header_and_immediates_have_exact_encodings() {
+    let h = RtsHeader {
+        len: 0x0102_0304_0506_0708,
+        addr: 0x1112_1314_1516_1718,
+        rkey: 0x2122_2324,
+    };
+    let bytes = h.encode();
+    assert_eq!(
+        bytes,
+        [
+            1, 2, 3, 4, 5, 6, 7, 8, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0x21, 0x22,
+            0x23, 0x24
+        ]
+    );
+    assert_eq!(RtsHeader::decode(&bytes), Some(h));
+    assert_eq!(RtsHeader::decode(&bytes[..19]), None);
+    assert_eq!(MsgImm::Eager.encode(), 0x0000_0000);
+    assert_eq!(MsgImm::Rts { seq: 5 }.encode(), 0x2000_0005);
+    assert_eq!(MsgImm::Done { seq: MAX_IMM_VALUE }.encode(), 0x5FFF_FFFF);
+    assert_eq!(MsgImm::Credit { count: 3 }.encode(), 0x6000_0003);
+    assert_eq!(MsgImm::Abort { code: 7 }.encode(), 0x8000_0007);
+    // Every type pattern: decode then encode gives back the bits, or an
+    // exact error.
+    let mut rng = Rng::new(99);
+    for _ in 0..100_000 {
+        let x = rng.next() as u32;
+        match MsgImm::decode(x) {
+            Ok(imm) => assert_eq!(imm.encode(), x),
+            Err(MessageError::UnknownType { imm }) => {
+                assert_eq!(imm, x);
+                assert!(x >> 29 >= 0b101);
+            }
+            Err(MessageError::BadImm { imm, .. }) => {
+                assert_eq!(imm, x);
+                assert!(x >> 29 == 0 || x == 0x6000_0000);
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+}
+
+// ----- many messages, order ------------------------------------------------------
+
+#[test]
+fn hundred_thousand_small_messages_arrive_in_order_exactly_once() {
+    let cfg = Cfg {
+        recv_depth: 32,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    let mut rng = Rng::new(1);
+    let mut total = 0;
+    for round in 0..1000 {
+        for _ in 0..100 {
+            let len = rng.range(0, 100);
+            total += len;
+            pair.s[A].send(len).unwrap();
+        }
+        // A few messages the other way, so CREDITs and data interleave.
+        pair.s[B].send(round % 7).unwrap();
+        pair.drive();
+    }
+    assert_eq!(pair.s[B].taken, 100_000);
+    assert_eq!(pair.s[B].core.stats().bytes_received, total);
+    let a = pair.s[A].core.stats();
+    assert_eq!(a.messages_sent, 100_000);
+    assert_eq!(a.rendezvous_sent, 0);
+    assert!(a.credit_stalls > 0, "{a:?}");
+    pair.assert_done();
+    pair.assert_conservation();
+}
+
+#[test]
+fn interleaved_eager_and_rendezvous_keep_send_order() {
+    let cfg = Cfg {
+        max_read_len: 3000,
+        max_rendezvous_in_flight: 2,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    let lens = [
+        10u64, 20_000, 5, 0, 70_000, 8192, 8193, 1, 9000, 9001, 2, 100_000,
+    ];
+    // Hold B's allocations so eager messages pile up behind the RTS.
+    pair.s[B].allocating = false;
+    for &len in &lens {
+        pair.s[A].send(len).unwrap();
+    }
+    pair.drive();
+    // Only the first message is deliverable; 20_000 waits for its
+    // destination, and two rendezvous are the bound, so the third (8193)
+    // waits at the sender with those behind it.
+    assert_eq!(pair.s[B].taken, 1);
+    assert_eq!(pair.s[B].allocs, [20_000, 70_000]);
+    assert_eq!(
+        pair.s[B].core.pending_recv(),
+        5,
+        "20_000, 5, 0, 70_000, 8192"
+    );
+    assert_eq!(pair.s[B].core.poll_recv(), None);
+    assert_eq!(pair.s[A].core.queued(), 6);
+    assert_eq!(pair.s[A].core.rendezvous_outstanding(), 2);
+    assert_eq!(pair.s[A].core.stats().rendezvous_stalls, 1);
+    // Answer one allocation: the first rendezvous completes and releases
+    // the eager messages behind it up to the next rendezvous.
+    assert!(pair.s[B].answer_alloc());
+    pair.drive();
+    assert_eq!(pair.s[B].taken, 4, "10, 20_000, 5, 0");
+    assert_eq!(pair.s[A].core.rendezvous_outstanding(), 2, "8193 went out");
+    pair.s[B].allocating = true;
+    pair.drive();
+    assert_eq!(pair.s[B].taken, lens.len() as u64);
+    assert_eq!(pair.s[B].core.stats().read_wrs, 7 + 24 + 3 + 3 + 4 + 34);
+    pair.assert_done();
+}
+
+// ----- credit ---------------------------------------------------------------------
+
+#[test]
+fn credit_exhaustion_and_recovery_with_exact_counts() {
+    let cfg = Cfg {
+        recv_depth: 8,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    pair.s[B].reading = false;
+    for _ in 0..20 {
+        pair.s[A].send(16).unwrap();
+    }
+    // 8 credits, 2 reserved: 6 messages go, then A stalls.
+    assert_eq!(pair.s[A].post_all(), 6);
+    assert_eq!(pair.s[A].core.peer_credit(), CONTROL_RESERVE);
+    // The poll that found no credit counted the stall, once.
+    assert_eq!(pair.s[A].core.stats().credit_stalls, 1);
+    assert!(pair.s[A].core.poll_transmit().is_none());
+    assert_eq!(pair.s[A].core.stats().credit_stalls, 1);
+    pair.drive();
+    assert_eq!(pair.s[B].core.pending_recv(), 6);
+    assert_eq!(pair.s[B].core.stats().credits_sent, 0, "nothing taken yet");
+    assert_eq!(pair.s[A].core.queued(), 14);
+    // The application takes one message: below the threshold of 2.
+    assert!(pair.take(B).is_some());
+    pair.drive();
+    assert_eq!(pair.s[B].core.stats().credits_sent, 0);
+    // A second: a CREDIT of 2 goes back and A sends 2 more.
+    assert!(pair.take(B).is_some());
+    assert_eq!(pair.s[B].post_all(), 1);
+    assert_eq!(
+        pair.s[B].log.last().map(|t| t.kind),
+        Some(MsgTransmitKind::Control {
+            imm: MsgImm::Credit { count: 2 }.encode()
+        })
+    );
+    pair.drive();
+    assert_eq!(pair.s[A].core.queued(), 12);
+    assert_eq!(pair.s[B].core.pending_recv(), 6);
+    assert_eq!(pair.s[A].core.stats().credit_stalls, 2);
+    // Resume reading: everything arrives.
+    pair.s[B].reading = true;
+    pair.drive();
+    assert_eq!(pair.s[B].taken, 20);
+    pair.assert_done();
+    pair.assert_conservation();
+}
+
+#[test]
+fn receiver_that_stops_taking_messages_stalls_the_sender_and_loses_nothing() {
+    let cfg = Cfg {
+        recv_depth: 10,
+        max_read_len: 4096,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    pair.s[B].reading = false;
+    let lens: Vec<u64> = (0..30)
+        .map(|i| if i % 3 == 0 { 10_000 } else { 100 })
+        .collect();
+    for &len in &lens {
+        pair.s[A].send(len).unwrap();
+    }
+    pair.drive();
+    // The application holds recv_depth - 2 = 8 messages; the sender stalls.
+    assert_eq!(pair.s[B].core.pending_recv(), 8);
+    assert_eq!(pair.s[A].core.queued(), 22);
+    assert_eq!(pair.s[A].core.stats().credit_stalls, 1);
+    // The rendezvous among them (indexes 0, 3, 6) still completed without
+    // the application: READ done, DONE sent, sender buffers released.
+    assert_eq!(pair.s[A].core.rendezvous_outstanding(), 0);
+    assert_eq!(pair.s[B].core.stats().read_wrs, 3 * 3);
+    assert_eq!(
+        pair.s[A].count_events(|e| matches!(e, MsgEvent::SendDone { .. })),
+        8
+    );
+    // Nothing moves however long we wait.
+    assert_eq!(pair.drive(), 0);
+    pair.s[B].reading = true;
+    pair.drive();
+    assert_eq!(pair.s[B].taken, 30);
+    pair.assert_done();
+}
+
+// ----- bad input ------------------------------------------------------------------
+
+fn lone() -> MessageCore {
+    let cfg = Cfg {
+        recv_depth: 8,
+        max_message_len: 1 << 30,
+        max_rendezvous_in_flight: 2,
+        ..Cfg::default()
+    };
+    MessageCore::new(params(cfg, cfg)).unwrap()
+}
+
+/// `core` rejected input with `err`: it is aborted with the error's code,
+/// queues exactly that ABORT, and never allocated anything.
+fn assert_aborted_with(core: &mut MessageCore, err: &MessageError) {
+    assert!(core.is_aborted());
+    assert_eq!(core.local_abort_code(), Some(err.abort_code()));
+    let t = core.poll_transmit().expect("ABORT queued");
+    assert_eq!(
+        t.kind,
+        MsgTransmitKind::Control {
+            imm: MsgImm::Abort {
+                code: err.abort_code()
+            }
+            .encode()
+        }
+    );
+    assert!(t.signaled);
+    assert!(core.poll_transmit().is_none());
+    while let Some(e) = core.poll_event() {
+        assert!(
+            !matches!(e, MsgEvent::AllocateDestination { .. }),
+            "allocated for bad input: {e:?}"
+        );
+    }
+    assert_eq!(
+        core.send(OutboundMessage {
+            token: 1,
+            len: 1,
+            addr: 0,
+            rkey: 0
+        }),
+        Err(SendError::Aborted)
+    );
+}
+
+fn rts(len: u64, addr: u64) -> [u8; 20] {
+    RtsHeader { len, addr, rkey: 7 }.encode()
+}
+
+#[test]
+fn bad_input_each_error_aborts_with_its_code() {
+    let rts0 = MsgImm::Rts { seq: 0 }.encode();
+    let cases: Vec<(&str, u32, u32, Vec<u8>, MessageError)> = vec![
+        (
+            "unknown type",
+            0xA000_0000,
+            0,
+            vec![],
+            MessageError::UnknownType { imm: 0xA000_0000 },
+        ),
+        (
+            "unknown type 111",
+            0xFFFF_FFFF,
+            0,
+            vec![],
+            MessageError::UnknownType { imm: 0xFFFF_FFFF },
+        ),
+        (
+            "eager low bits",
+            0x0000_0001,
+            1,
+            vec![0],
+            MessageError::BadImm {
+                imm: 1,
+                reason: "EAGER with non-zero low 29 bits",
+            },
+        ),
+        (
+            "credit of zero",
+            0x6000_0000,
+            0,
+            vec![],
+            MessageError::BadImm {
+                imm: 0x6000_0000,
+                reason: "CREDIT returning 0 buffers",
+            },
+        ),
+        (
+            "eager too long",
+            0,
+            8193,
+            vec![0; 8193],
+            MessageError::EagerTooLong {
+                len: 8193,
+                eager_max: 8192,
+            },
+        ),
+        (
+            "short RTS",
+            rts0,
+            19,
+            rts(100_000, 0)[..19].to_vec(),
+            MessageError::BadRtsHeader {
+                byte_len: 19,
+                available: 19,
+            },
+        ),
+        (
+            "long RTS",
+            rts0,
+            21,
+            [&rts(100_000, 0)[..], &[0]].concat(),
+            MessageError::BadRtsHeader {
+                byte_len: 21,
+                available: 21,
+            },
+        ),
+        (
+            "RTS of 0 bytes",
+            rts0,
+            20,
+            rts(0, 0).to_vec(),
+            MessageError::BadMessageLen {
+                len: 0,
+                max: 1 << 30,
+            },
+        ),
+        (
+            "oversize RTS",
+            rts0,
+            20,
+            rts((1 << 30) + 1, 0).to_vec(),
+            MessageError::BadMessageLen {
+                len: (1 << 30) + 1,
+                max: 1 << 30,
+            },
+        ),
+        (
+            "RTS wrapping the address space",
+            rts0,
+            20,
+            rts(100, u64::MAX - 50).to_vec(),
+            MessageError::BadRtsAddress {
+                addr: u64::MAX - 50,
+                len: 100,
+            },
+        ),
+        (
+            "RTS out of sequence",
+            MsgImm::Rts { seq: 1 }.encode(),
+            20,
+            rts(100_000, 0).to_vec(),
+            MessageError::BadSequence {
+                what: "RTS",
+                got: 1,
+                expected: 0,
+            },
+        ),
+        (
+            "DONE without RTS",
+            MsgImm::Done { seq: 0 }.encode(),
+            0,
+            vec![],
+            MessageError::UnexpectedDone { seq: 0 },
+        ),
+        (
+            "CREDIT with payload",
+            MsgImm::Credit { count: 1 }.encode(),
+            4,
+            vec![0; 4],
+            MessageError::UnexpectedPayload {
+                imm: 0x6000_0001,
+                byte_len: 4,
+            },
+        ),
+        (
+            "credit overflow",
+            MsgImm::Credit { count: 1 }.encode(),
+            0,
+            vec![],
+            MessageError::CreditOverflow {
+                count: 1,
+                outstanding: 0,
+            },
+        ),
+    ];
+    for (name, imm, byte_len, payload, err) in cases {
+        let mut core = lone();
+        assert_eq!(
+            core.on_recv(imm, byte_len, 1, &payload),
+            Err(err.clone()),
+            "{name}"
+        );
+        assert_aborted_with(&mut core, &err);
+    }
+}
+
+#[test]
+fn bad_input_needing_state() {
+    let send = |core: &mut MessageCore, token, len| {
+        core.send(OutboundMessage {
+            token,
+            len,
+            addr: 0,
+            rkey: 1,
+        })
+        .unwrap()
+    };
+    // A DONE with the wrong sequence number.
+    let mut core = lone();
+    send(&mut core, 1, 100_000);
+    assert!(matches!(
+        core.poll_transmit().unwrap().kind,
+        MsgTransmitKind::Rts { .. }
+    ));
+    let err = MessageError::BadSequence {
+        what: "DONE",
+        got: 1,
+        expected: 0,
+    };
+    assert_eq!(
+        core.on_recv(MsgImm::Done { seq: 1 }.encode(), 0, 9, &[]),
+        Err(err.clone())
+    );
+    assert_aborted_with(&mut core, &err);
+
+    // A third RTS with max_rendezvous_in_flight = 2.
+    let mut core = lone();
+    for seq in 0..2 {
+        let imm = MsgImm::Rts { seq }.encode();
+        assert!(core.on_recv(imm, 20, 1, &rts(100_000, 0)).is_ok());
+    }
+    assert_eq!(
+        core.poll_event(),
+        Some(MsgEvent::AllocateDestination { len: 100_000 })
+    );
+    assert_eq!(
+        core.poll_event(),
+        Some(MsgEvent::AllocateDestination { len: 100_000 })
+    );
+    let err = MessageError::RendezvousOverrun {
+        in_flight: 2,
+        max: 2,
+    };
+    let imm = MsgImm::Rts { seq: 2 }.encode();
+    assert_eq!(core.on_recv(imm, 20, 1, &rts(100_000, 0)), Err(err.clone()));
+    assert_aborted_with(&mut core, &err);
+
+    // More messages than receive buffers (8) without credit back.
+    let mut core = lone();
+    for _ in 0..8 {
+        assert_eq!(core.on_recv(0, 1, 1, &[0]), Ok(RecvDisposition::Keep));
+    }
+    let err = MessageError::RecvOverrun {
+        consumed: 9,
+        recv_depth: 8,
+    };
+    assert_eq!(core.on_recv(0, 1, 2, &[0]), Err(err.clone()));
+    assert!(core.is_aborted());
+    // The held messages' buffers come back.
+    let mut reclaimed = 0;
+    while let Some(e) = core.poll_event() {
+        assert_eq!(e, MsgEvent::Reclaim { token: 1 });
+        reclaimed += 1;
+    }
+    assert_eq!(reclaimed, 8);
+    assert_eq!(core.poll_recv(), None);
+
+    // A message after the peer's ABORT.
+    let mut core = lone();
+    assert!(
+        core.on_recv(MsgImm::Abort { code: 3 }.encode(), 0, 1, &[])
+            .is_ok()
+    );
+    assert_eq!(core.poll_event(), Some(MsgEvent::Aborted { code: 3 }));
+    let err = MessageError::MessageAfterAbort { imm: 0 };
+    assert_eq!(core.on_recv(0, 0, 1, &[]), Err(err));
+    assert!(core.poll_transmit().is_none(), "no ABORT after the peer's");
+
+    // Runtime errors: change nothing, abort nothing.
+    let mut core = lone();
+    assert_eq!(
+        core.on_send_complete(1),
+        Err(MessageError::UnknownWrId {
+            wr_id: 1,
+            outstanding: None
+        })
+    );
+    send(&mut core, 1, 10);
+    let t = core.poll_transmit().unwrap();
+    assert_eq!(
+        core.on_send_complete(t.wr_id + 1),
+        Err(MessageError::UnknownWrId {
+            wr_id: 2,
+            outstanding: Some((1, 1))
+        })
+    );
+    assert_eq!(
+        core.destination_ready(5),
+        Err(MessageError::NoDestinationRequested { token: 5 })
+    );
+    assert!(!core.is_aborted());
+    assert_eq!(core.on_send_complete(t.wr_id), Ok(()));
+    assert_eq!(core.poll_event(), Some(MsgEvent::SendDone { token: 1 }));
+    assert_eq!(
+        core.send(OutboundMessage {
+            token: 2,
+            len: (1 << 30) + 1,
+            addr: 0,
+            rkey: 0
+        }),
+        Err(SendError::TooLong {
+            len: (1 << 30) + 1,
+            max: 1 << 30
+        })
+    );
+}
+
+#[test]
+fn invalid_params_name_the_field() {
+    let good = params(Cfg::default(), Cfg::default());
+    let cases = [
+        (
+            "recv_depth",
+            3,
+            MessageParams {
+                recv_depth: 3,
+                ..good
+            },
+        ),
+        (
+            "peer_recv_depth",
+            1024,
+            MessageParams {
+                peer_recv_depth: 1024,
+                ..good
+            },
+        ),
+        (
+            "eager_buf_len",
+            19,
+            MessageParams {
+                eager_buf_len: 19,
+                ..good
+            },
+        ),
+        (
+            "peer_eager_buf_len",
+            (1 << 30) + 1,
+            MessageParams {
+                peer_eager_buf_len: (1 << 30) + 1,
+                ..good
+            },
+        ),
+        (
+            "eager_max",
+            8193,
+            MessageParams {
+                eager_max: 8193,
+                ..good
+            },
+        ),
+        (
+            "send_queue_depth",
+            0,
+            MessageParams {
+                send_queue_depth: 0,
+                ..good
+            },
+        ),
+        (
+            "max_read_len",
+            0,
+            MessageParams {
+                max_read_len: 0,
+                ..good
+            },
+        ),
+        (
+            "max_message_len",
+            0,
+            MessageParams {
+                max_message_len: 0,
+                ..good
+            },
+        ),
+        (
+            "max_rendezvous_in_flight",
+            0,
+            MessageParams {
+                max_rendezvous_in_flight: 0,
+                ..good
+            },
+        ),
+        (
+            "signal_interval",
+            0,
+            MessageParams {
+                signal_interval: 0,
+                ..good
+            },
+        ),
+    ];
+    for (name, value, p) in cases {
+        match MessageCore::new(p) {
+            Err(MessageError::InvalidParams {
+                name: n, value: v, ..
+            }) => {
+                assert_eq!((n, v), (name, value))
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+}
+
+// ----- abort ----------------------------------------------------------------------
+
+fn abort_case(aborter: usize) {
+    let cfg = Cfg {
+        max_read_len: 4096,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    let other = 1 - aborter;
+    // Each side has: a rendezvous whose destination is never allocated (so
+    // it stays unfinished), eager messages held behind it, and queued ones.
+    for side in [A, B] {
+        pair.s[side].allocating = false;
+        pair.s[side].send(50_000).unwrap();
+        for _ in 0..3 {
+            pair.s[side].send(10).unwrap();
+        }
+    }
+    pair.drive();
+    for side in [A, B] {
+        assert_eq!(pair.s[side].core.pending_recv(), 4);
+        assert_eq!(pair.s[side].allocs, [50_000]);
+        // Sender buffers of the eager messages are released, the
+        // rendezvous one is not.
+        assert_eq!(pair.s[side].bufs.len(), 1 + 3);
+    }
+    pair.s[aborter].send(20_000).unwrap();
+    pair.s[aborter].core.abort(77);
+    assert_eq!(pair.s[aborter].send(1), Err(SendError::Aborted));
+    // Reclaimed: the queued message, the unfinished rendezvous send, the 3
+    // received eager buffers. Nothing is left.
+    assert_eq!(pair.s[aborter].events(), 5);
+    assert_eq!(
+        pair.s[aborter].count_events(|e| matches!(e, MsgEvent::Reclaim { .. })),
+        5
+    );
+    // The late allocation comes straight back.
+    assert!(pair.s[aborter].answer_alloc());
+    assert_eq!(pair.s[aborter].events(), 1);
+    assert!(pair.s[aborter].bufs.is_empty());
+    pair.s[other].allocating = true;
+    pair.drive();
+    assert_eq!(pair.s[other].core.peer_abort_code(), Some(77));
+    assert_eq!(
+        pair.s[other].count_events(|e| *e == MsgEvent::Aborted { code: 77 }),
+        1
+    );
+    assert_eq!(pair.s[other].send(1), Err(SendError::Reset));
+    assert!(pair.s[other].bufs.is_empty(), "{:?}", pair.s[other].bufs);
+    assert_eq!(pair.s[other].core.poll_recv(), None);
+    // The aborter sent exactly one ABORT, last; the other side nothing after
+    // receiving it.
+    let aborts: Vec<_> = pair.s[aborter]
+        .log
+        .iter()
+        .filter(|t| {
+            t.kind
+                == MsgTransmitKind::Control {
+                    imm: MsgImm::Abort { code: 77 }.encode(),
+                }
+        })
+        .collect();
+    assert_eq!(aborts.len(), 1);
+    assert_eq!(pair.s[aborter].log.last(), Some(aborts[0]));
+    assert!(pair.s[A].core.all_sent() && pair.s[B].core.all_sent());
+}
+
+#[test]
+fn abort_from_a_reclaims_everything_on_both_sides() {
+    abort_case(A);
+}
+
+#[test]
+fn abort_from_b_reclaims_everything_on_both_sides() {
+    abort_case(B);
+}
+
+#[test]
+fn connection_lost_reclaims_and_stops() {
+    let mut pair = Pair::symmetric(Cfg::default());
+    pair.s[A].send(10).unwrap();
+    pair.s[A].send(100_000).unwrap();
+    pair.s[A].post_all();
+    pair.s[A].core.on_connection_lost();
+    assert_eq!(pair.s[A].events(), 2);
+    assert!(pair.s[A].bufs.is_empty());
+    assert_eq!(pair.s[A].send(1), Err(SendError::Reset));
+    assert!(pair.s[A].core.poll_transmit().is_none());
+    assert!(pair.s[A].core.all_sent());
+}
+
+// ----- random schedules -------------------------------------------------------------
+
+fn random_cfg(rng: &mut Rng) -> Cfg {
+    let eager_buf_len = rng.range(20, 300) as u32;
+    Cfg {
+        recv_depth: rng.range(4, 12) as u16,
+        eager_buf_len,
+        eager_max: rng.range(0, u64::from(eager_buf_len)) as u32,
+        inline_threshold: rng.range(0, 40) as u32,
+        send_queue_depth: rng.range(1, 16) as u16,
+        max_read_len: rng.range(1, 500) as u32,
+        max_message_len: 5000,
+        max_rendezvous_in_flight: rng.range(1, 4) as u16,
+        signal_interval: rng.range(1, 8) as u16,
+    }
+}
+
+fn random_schedule(seed: u64) -> Pair {
+    let mut rng = Rng::new(seed);
+    let (a, b) = (random_cfg(&mut rng), random_cfg(&mut rng));
+    let mut pair = Pair::new(a, b);
+    let total = [rng.range(0, 60), rng.range(0, 60)];
+    let big = u64::from(pair.s[A].core.params().eager_max);
+    for _ in 0..3000 {
+        let side = (rng.next() % 2) as usize;
+        match rng.next() % 12 {
+            0 | 1 => {
+                if (pair.s[side].lens.len() as u64) < total[side] {
+                    let len = match rng.next() % 4 {
+                        0 => 0,
+                        1 => rng.range(0, big),
+                        2 => rng.range(big, big + 2),
+                        _ => rng.range(1, 5000),
+                    };
+                    pair.s[side].send(len).unwrap();
+                }
+            }
+            2 => {
+                pair.s[side].post_one();
+            }
+            3 => {
+                pair.s[side].post_all();
+            }
+            4 | 5 => {
+                if let Some(r) = pair.deliver(side) {
+                    r.expect("valid message");
+                }
+            }
+            6 => {
+                pair.s[side].complete_one();
+            }
+            7 => {
+                pair.s[side].events();
+            }
+            8 => {
+                pair.s[side].answer_alloc();
+            }
+            9 => {
+                if pair.s[side].reading {
+                    pair.take(side);
+                }
+            }
+            10 => pair.s[side].reading = rng.chance(70),
+            _ => pair.s[side].allocating = rng.chance(70),
+        }
+        pair.assert_conservation();
+    }
+    for side in [A, B] {
+        pair.s[side].reading = true;
+        pair.s[side].allocating = true;
+        while (pair.s[side].lens.len() as u64) < total[side] {
+            pair.s[side].send(rng.range(0, 3000)).unwrap();
+        }
+    }
+    pair.drive();
+    pair.assert_conservation();
+    pair.assert_done();
+    pair
+}
+
+#[test]
+fn random_schedules_deliver_every_message_once_in_order_intact() {
+    let mut totals = MessageStats::default();
+    for seed in 1..=600 {
+        let pair = random_schedule(seed);
+        for side in [A, B] {
+            let s = pair.s[side].core.stats();
+            totals.messages_sent += s.messages_sent;
+            totals.rendezvous_sent += s.rendezvous_sent;
+            totals.read_wrs += s.read_wrs;
+            totals.credit_stalls += s.credit_stalls;
+            totals.rendezvous_stalls += s.rendezvous_stalls;
+            totals.send_queue_stalls += s.send_queue_stalls;
+        }
+    }
+    // The schedules exercise what they are meant to.
+    assert!(totals.rendezvous_sent > 5000, "{totals:?}");
+    assert!(totals.credit_stalls > 1000, "{totals:?}");
+    assert!(totals.rendezvous_stalls > 100, "{totals:?}");
+    assert!(totals.send_queue_stalls > 100, "{totals:?}");
+}
+
+#[test]
+fn random_schedule_is_deterministic() {
+    assert_eq!(random_schedule(7), random_schedule(7));
+    assert_ne!(random_schedule(8).s[A].log, random_schedule(7).s[A].log);
+}
+
+// ----- exhaustive exploration ----------------------------------------------------
+
+/// Every interleaving of the actions of both sides (queue the next message,
+/// post, deliver, complete, handle events, answer an allocation, take a
+/// message) from a fresh pair, states deduplicated. Every action makes
+/// progress on a bounded measure, so the graph is finite and acyclic; at
+/// every state credit is conserved, and every state without a successor is
+/// the complete exchange (every message taken, intact, nothing leaked).
+fn explore(a: Cfg, b: Cfg, msgs: [&[u64]; 2]) -> usize {
+    let mut seen: HashSet<u64> = HashSet::new();
+    let mut stack = vec![Pair::new(a, b)];
+    while let Some(pair) = stack.pop() {
+        let mut hasher = std::hash::DefaultHasher::new();
+        pair.hash(&mut hasher);
+        if !seen.insert(hasher.finish()) {
+            continue;
+        }
+        assert!(seen.len() < 3_000_000, "state space unexpectedly large");
+        pair.assert_conservation();
+        let mut successors = 0;
+        let mut push = |mut next: Pair| {
+            for side in &mut next.s {
+                // The runtime handles events at once.
+                side.events();
+                side.log.clear();
+                side.events.clear();
+                side.core.forget_stalls();
+            }
+            successors += 1;
+            stack.push(next);
+        };
+        for side in [A, B] {
+            let me = &pair.s[side];
+            if me.lens.len() < msgs[side].len() {
+                let mut next = pair.clone();
+                next.s[side].send(msgs[side][me.lens.len()]).unwrap();
+                push(next);
+            }
+            let mut next = pair.clone();
+            if next.s[side].post_one().is_some() {
+                push(next);
+            }
+            if !me.wire.is_empty() {
+                let mut next = pair.clone();
+                next.deliver(side).unwrap().expect("valid message");
+                push(next);
+            }
+            if !me.completions.is_empty() {
+                let mut next = pair.clone();
+                next.s[side].complete_one();
+                push(next);
+            }
+            if !me.allocs.is_empty() {
+                let mut next = pair.clone();
+                next.s[side].answer_alloc();
+                push(next);
+            }
+            let mut next = pair.clone();
+            if next.take(side).is_some() {
+                push(next);
+            }
+        }
+        if successors == 0 {
+            // Events were cleared along the way, so check the end state
+            // without the event-count identities.
+            for side in [A, B] {
+                let me = &pair.s[side];
+                assert_eq!(me.lens.len(), msgs[side].len());
+                assert_eq!(pair.s[1 - side].taken, msgs[side].len() as u64);
+                assert!(me.core.all_sent());
+                assert!(me.bufs.is_empty(), "leak: {pair:#?}");
+                assert!(me.wire.is_empty() && me.completions.is_empty());
+            }
+        }
+    }
+    seen.len()
+}
+
+const TINY: Cfg = Cfg {
+    recv_depth: 4,
+    eager_buf_len: 20,
+    eager_max: 1,
+    inline_threshold: 0,
+    send_queue_depth: 2,
+    max_read_len: 2,
+    max_message_len: 10,
+    max_rendezvous_in_flight: 1,
+    signal_interval: 2,
+};
+
+#[test]
+fn exhaustive_small_configurations_never_deadlock() {
+    let sq1 = Cfg {
+        send_queue_depth: 1,
+        signal_interval: 1,
+        ..TINY
+    };
+    let cases: [(Cfg, Cfg, [&[u64]; 2], usize); 4] = [
+        // Rendezvous (3 bytes: 2 READs) between eager messages, one way.
+        (TINY, TINY, [&[1, 3, 0], &[]], 1303),
+        // Both ways, a rendezvous each.
+        (TINY, TINY, [&[2], &[3]], 6187),
+        // Two rendezvous with a bound of 1, and a 1-slot send queue.
+        (sq1, TINY, [&[2, 2], &[1]], 10_658),
+        // More messages than credits.
+        (TINY, TINY, [&[0, 1, 0, 1, 0, 1], &[]], 4007),
+    ];
+    for (a, b, msgs, states) in cases {
+        assert_eq!(explore(a, b, msgs), states, "{msgs:?}");
+    }
+}
+
+// ----- arbitrary peer input ----------------------------------------------------
+
+/// A peer sending arbitrary immediates and payloads: every one is accepted
+/// with the bookkeeping in range, or rejected with an error after which the
+/// core is aborted with that error's code; nothing panics, and a rejected
+/// RTS never asks for memory.
+#[test]
+fn arbitrary_peer_input_is_accepted_or_rejected_with_the_right_abort() {
+    let mut rejected = [0u32; 17];
+    for seed in 1..=3000 {
+        let mut rng = Rng::new(seed);
+        let mut core = lone();
+        for token in 0..rng.range(0, 3) {
+            core.send(OutboundMessage {
+                token,
+                len: rng.range(0, 20_000),
+                addr: 0,
+                rkey: 0,
+            })
+            .unwrap();
+        }
+        let mut first: Option<MessageError> = None;
+        for _ in 0..rng.range(1, 40) {
+            let ty = (rng.next() % 8) as u32;
+            let low = match rng.next() % 3 {
+                0 => 0,
+                1 => rng.range(0, 3) as u32,
+                _ => rng.next() as u32 & MAX_IMM_VALUE,
+            };
+            let imm = ty << 29 | low;
+            let byte_len = match rng.next() % 4 {
+                0 => 0,
+                1 => 20,
+                2 => rng.range(0, 10_000) as u32,
+                _ => rng.range(0, 25) as u32,
+            };
+            let mut payload = vec![0u8; byte_len.min(64) as usize];
+            if rng.chance(50) {
+                let len = match rng.next() % 3 {
+                    0 => rng.range(0, 3),
+                    1 => rng.range(0, 2 << 30),
+                    _ => rng.next(),
+                };
+                let h = RtsHeader {
+                    len,
+                    addr: if rng.chance(80) { 0 } else { rng.next() },
+                    rkey: 1,
+                }
+                .encode();
+                let n = payload.len().min(20);
+                payload[..n].copy_from_slice(&h[..n]);
+            }
+            let allocs_before = core.stats().rendezvous_received;
+            let result = core.on_recv(imm, byte_len, 1, &payload);
+            if let Err(err) = &result {
+                assert_eq!(core.stats().rendezvous_received, allocs_before);
+                if first.is_none() {
+                    rejected[err.abort_code() as usize] += 1;
+                    first = Some(err.clone());
+                }
+            }
+            if let Some(err) = &first {
+                assert!(core.is_aborted());
+                if core.peer_abort_code().is_none() {
+                    assert_eq!(core.local_abort_code(), Some(err.abort_code()));
+                }
+            }
+            assert!(core.peer_credit() <= core.params().peer_recv_depth);
+            assert!(core.unreturned() <= u32::from(core.params().recv_depth));
+            while let Some(e) = core.poll_event() {
+                if let MsgEvent::AllocateDestination { len } = e {
+                    assert!(len >= 1 && len <= core.params().max_message_len);
+                    if rng.chance(50) {
+                        core.destination_ready(9).unwrap();
+                    }
+                }
+            }
+            if rng.chance(40) {
+                core.poll_recv();
+            }
+            while rng.chance(60) {
+                let Some(t) = core.poll_transmit() else { break };
+                if t.signaled {
+                    core.on_send_complete(t.wr_id).unwrap();
+                }
+            }
+        }
+    }
+    // These kinds of peer error were produced and caught here; the rest
+    // (6 BadRtsAddress, 7 RendezvousOverrun, 12 RecvOverrun) need a crafted
+    // state and have their own tests above.
+    for code in [1, 2, 3, 4, 5, 8, 9, 10, 11, 13] {
+        assert!(
+            rejected[code] > 0,
+            "no error with abort code {code}: {rejected:?}"
+        );
+    }
+}
