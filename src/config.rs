@@ -2,6 +2,10 @@
 
 use std::time::Duration;
 
+use crate::error::{Error, Result};
+use crate::proto::ProtocolError;
+use crate::proto::stream::{StreamCore, StreamParams};
+
 /// Per-connection settings. `Default` gives the values documented on each
 /// setter; pass a config with [`RdmaStream::connect_with`] or
 /// [`RdmaListener::bind_with`].
@@ -50,7 +54,60 @@ impl Default for RdmaConfig {
     }
 }
 
+/// Largest inline threshold accepted (bytes). Providers grant at most a few
+/// hundred bytes of inline data (rxe: 256 with the default WQE size; mlx5:
+/// up to about 900); a larger request fails queue pair creation.
+pub const MAX_INLINE_THRESHOLD: u32 = 1024;
+
 impl RdmaConfig {
+    /// Checks every value against what the protocol core and the verbs
+    /// layer accept, so a bad value is an [`Error::InvalidConfig`] at
+    /// `bind_with`/`connect_with`, not a failure after the handshake.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the first setter out of range.
+    pub fn validate(&self) -> Result<()> {
+        if self.inline_threshold > MAX_INLINE_THRESHOLD {
+            return Err(Error::InvalidConfig {
+                field: "inline_threshold",
+                value: self.inline_threshold.into(),
+                allowed: "0..=1024 bytes",
+            });
+        }
+        // The core validates its parameters; check ours as if the peer used
+        // the same values.
+        let params = StreamParams {
+            send_buf_len: self.send_buffer_size,
+            ring_len: self.ring_size,
+            recv_depth: self.recv_queue_depth,
+            peer_ring_len: self.ring_size,
+            peer_recv_depth: self.recv_queue_depth,
+            send_queue_depth: self.send_queue_depth,
+            inline_threshold: self.inline_threshold,
+            signal_interval: self.signal_interval,
+            max_write_len: self.max_write_size,
+        };
+        match StreamCore::new(params) {
+            Ok(_) => Ok(()),
+            Err(ProtocolError::InvalidParams {
+                name,
+                value,
+                allowed,
+            }) => Err(Error::InvalidConfig {
+                field: match name {
+                    "send_buf_len" => "send_buffer_size",
+                    "ring_len" | "peer_ring_len" => "ring_size",
+                    "recv_depth" | "peer_recv_depth" => "recv_queue_depth",
+                    "max_write_len" => "max_write_size",
+                    other => other,
+                },
+                value,
+                allowed,
+            }),
+            Err(e) => Err(Error::Protocol(e)),
+        }
+    }
+
     /// A config with the default values.
     pub fn new() -> Self {
         Self::default()
@@ -160,5 +217,70 @@ impl RdmaConfig {
     pub fn backlog(mut self, backlog: i32) -> Self {
         self.backlog = backlog;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(cfg: RdmaConfig) -> (&'static str, u64) {
+        match cfg.validate() {
+            Err(Error::InvalidConfig { field, value, .. }) => (field, value),
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        RdmaConfig::default().validate().unwrap();
+        RdmaConfig::new()
+            .ring_size(1)
+            .send_queue_depth(1)
+            .validate()
+            .unwrap();
+    }
+
+    #[test]
+    fn out_of_range_values_name_the_setter() {
+        assert_eq!(
+            field_of(RdmaConfig::new().signal_interval(0)),
+            ("signal_interval", 0)
+        );
+        assert_eq!(
+            field_of(RdmaConfig::new().send_queue_depth(0)),
+            ("send_queue_depth", 0)
+        );
+        assert_eq!(
+            field_of(RdmaConfig::new().send_buffer_size(0)),
+            ("send_buffer_size", 0)
+        );
+        assert_eq!(
+            field_of(RdmaConfig::new().max_write_size(0)),
+            ("max_write_size", 0)
+        );
+        assert_eq!(field_of(RdmaConfig::new().ring_size(0)), ("ring_size", 0));
+        assert_eq!(
+            field_of(RdmaConfig::new().ring_size(1 << 31)),
+            ("ring_size", 1 << 31)
+        );
+        assert_eq!(
+            field_of(RdmaConfig::new().recv_queue_depth(1)),
+            ("recv_queue_depth", 1)
+        );
+        assert_eq!(
+            field_of(RdmaConfig::new().recv_queue_depth(2000)),
+            ("recv_queue_depth", 2000)
+        );
+        assert_eq!(
+            field_of(RdmaConfig::new().inline_threshold(100_000)),
+            ("inline_threshold", 100_000)
+        );
+        let io: std::io::Error = RdmaConfig::new()
+            .signal_interval(0)
+            .validate()
+            .unwrap_err()
+            .into();
+        assert_eq!(io.kind(), std::io::ErrorKind::InvalidInput);
     }
 }

@@ -104,6 +104,19 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// An [`RdmaConfig`](crate::RdmaConfig) value is out of range; raised by
+    /// `bind_with`/`connect_with` before anything is allocated or sent.
+    /// Maps to [`io::ErrorKind::InvalidInput`].
+    #[error("invalid RdmaConfig: {field} = {value} (allowed: {allowed})")]
+    InvalidConfig {
+        /// The setter's name, for example `signal_interval`.
+        field: &'static str,
+        /// The value given.
+        value: u64,
+        /// The allowed range.
+        allowed: &'static str,
+    },
+
     /// A registered-memory pool operation failed (exhausted, too large,
     /// registration failed). Maps to the pool error's own kind
     /// ([`PoolError::kind`](crate::pool::PoolError::kind)).
@@ -134,6 +147,7 @@ impl Error {
             Error::Handshake(_) | Error::Protocol(_) => io::ErrorKind::InvalidData,
             Error::TimedOut { .. } => io::ErrorKind::TimedOut,
             Error::Pool(e) => e.kind(),
+            Error::InvalidConfig { .. } => io::ErrorKind::InvalidInput,
             Error::Unreachable { source, .. } => match source.raw_os_error() {
                 Some(libc::ENODEV) => io::ErrorKind::NotFound,
                 _ => io::ErrorKind::HostUnreachable,

@@ -429,3 +429,104 @@ async fn linger_gives_up_on_a_peer_that_never_reads() {
     assert_eq!(got.len(), 8191, "exactly the ring's worth arrived");
     assert!(got == data[..8191], "the delivered prefix is intact");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_config_fails_at_bind_and_connect() {
+    let bad = RdmaConfig::new().signal_interval(0);
+    let err = RdmaListener::bind_with(format!("{IP}:0"), &bad)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+    let err = RdmaStream::connect_with(format!("{IP}:1"), &bad)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+    let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
+    assert!(
+        matches!(
+            inner,
+            Some(Error::InvalidConfig {
+                field: "signal_interval",
+                value: 0,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backlog_bounds_unaccepted_connections() {
+    let l = bind(&RdmaConfig::new().backlog(2)).await;
+    let addr = l.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(RdmaStream::connect(addr).await.unwrap());
+    }
+    // Wait until both sit in the accept queue, then the third is rejected.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    match RdmaStream::connect(addr).await {
+        Err(e) => {
+            assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
+            let inner = e.get_ref().and_then(|e| e.downcast_ref::<Error>());
+            assert!(
+                matches!(
+                    inner,
+                    Some(Error::HandshakeRejected {
+                        reason: RejectReason::ServerResources,
+                        ..
+                    })
+                ),
+                "{e:?}"
+            );
+        }
+        Ok(_) => panic!("a third connection got past a backlog of 2"),
+    }
+    // Accepting one frees a slot.
+    let (_s1, _) = l.accept().await.unwrap();
+    let third = RdmaStream::connect(addr).await.unwrap();
+    let (_s2, _) = l.accept().await.unwrap();
+    let (_s3, _) = l.accept().await.unwrap();
+    drop((held, third));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_owned_write_half_half_closes() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let c = RdmaStream::connect(addr).await.unwrap();
+    let (mut s, _) = l.accept().await.unwrap();
+    let (mut rd, mut wr) = c.into_split();
+    wr.write_all(b"payload").await.unwrap();
+    drop(wr); // like tokio: half-close, while the read half lives on
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut got))
+        .await
+        .expect("EOF after the write half was dropped")
+        .unwrap();
+    assert_eq!(got, b"payload");
+    s.write_all(b"reply").await.unwrap();
+    s.shutdown().await.unwrap();
+    let mut reply = Vec::new();
+    rd.read_to_end(&mut reply).await.unwrap();
+    assert_eq!(reply, b"reply");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_listener_frees_its_port_at_once() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    drop(l);
+    let l2 = RdmaListener::bind(addr)
+        .await
+        .expect("rebind right after drop");
+    assert_eq!(l2.local_addr().unwrap(), addr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn address_without_rdma_route_is_unreachable() {
+    let err = RdmaStream::connect("127.0.0.1:1").await.unwrap_err();
+    let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
+    assert!(matches!(inner, Some(Error::Unreachable { .. })), "{err:?}");
+    assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+}

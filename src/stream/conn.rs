@@ -532,10 +532,28 @@ impl Conn {
         Poll::Pending
     }
 
+    /// Queues a FIN after the buffered bytes without waiting (the write half
+    /// was dropped).
+    pub(crate) fn shutdown_write(&self) {
+        let mut st = self.lock();
+        if st.error.is_none() && !st.peer_gone {
+            st.core.shutdown();
+            st.transmit();
+        }
+    }
+
     /// Half-close: queue a FIN after the buffered bytes; ready once posted.
     pub(crate) fn poll_shutdown(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         {
             let mut st = self.lock();
+            if st.peer_gone && !st.core.fin_received() {
+                // The peer vanished without closing: like shutdown(2) on a
+                // reset TCP socket.
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::NotConnected,
+                    "the peer disconnected without closing the stream",
+                )));
+            }
             if st.error.is_none() {
                 st.core.shutdown();
                 st.transmit();

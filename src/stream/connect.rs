@@ -70,7 +70,10 @@ async fn connect_inner(addr: SocketAddr, cfg: &RdmaConfig) -> Result<Arc<Conn>> 
             e => e,
         })?;
     expect(&channel, addr, CmEventKind::AddrResolved).await?;
-    id.resolve_route(cfg.resolve_timeout)?;
+    id.resolve_route(cfg.resolve_timeout).map_err(|e| match e {
+        Error::Verbs { source, .. } => Error::Unreachable { addr, source },
+        e => e,
+    })?;
     expect(&channel, addr, CmEventKind::RouteResolved).await?;
 
     let (_dev, mut qp, device) = conn::new_qp(&id, cfg)?;

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use tokio::net::ToSocketAddrs;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
 
@@ -29,9 +29,15 @@ use crate::verbs::cm::{CmEventKind, CmId, EventChannel};
 /// `tokio::select!`) loses no connection.
 pub struct RdmaListener {
     local_addr: SocketAddr,
-    incoming: Mutex<mpsc::Receiver<io::Result<(RdmaStream, SocketAddr)>>>,
+    incoming: Mutex<mpsc::Receiver<Queued>>,
     task: tokio::task::JoinHandle<()>,
+    /// Destroyed in `drop`, so the port is free again when `drop` returns
+    /// (as with `TcpListener`).
+    _listen_id: CmId,
 }
+
+/// An established connection waiting for `accept`, with its backlog slot.
+type Queued = io::Result<(RdmaStream, SocketAddr, Option<OwnedSemaphorePermit>)>;
 
 impl std::fmt::Debug for RdmaListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -58,6 +64,7 @@ impl RdmaListener {
         addr: A,
         config: &RdmaConfig,
     ) -> io::Result<RdmaListener> {
+        config.validate()?;
         let mut last = None;
         for a in tokio::net::lookup_host(addr).await? {
             match Self::bind_one(a, config) {
@@ -80,13 +87,20 @@ impl RdmaListener {
         id.bind(addr)?;
         id.listen(cfg.backlog)?;
         let local_addr = id.local_addr().unwrap_or(addr);
-        let (tx, rx) = mpsc::channel(cfg.backlog.max(1) as usize);
+        // Handshakes in flight plus established connections not yet
+        // accepted never exceed the backlog; requests beyond it are rejected
+        // (`RejectReason::ServerResources`) instead of each taking a queue
+        // pair and registered memory.
+        let backlog = cfg.backlog.max(1) as usize;
+        let slots = Arc::new(Semaphore::new(backlog));
+        let (tx, rx) = mpsc::channel(backlog + 1);
         let span = tracing::debug_span!("rdma_listener", local = %local_addr);
-        let task = tokio::spawn(listen_loop(id, channel, cfg.clone(), tx).instrument(span));
+        let task = tokio::spawn(listen_loop(channel, cfg.clone(), tx, slots).instrument(span));
         Ok(RdmaListener {
             local_addr,
             incoming: Mutex::new(rx),
             task,
+            _listen_id: id,
         })
     }
 
@@ -107,7 +121,8 @@ impl RdmaListener {
     pub fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<(RdmaStream, SocketAddr)>> {
         let mut rx = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
         match rx.poll_recv(cx) {
-            Poll::Ready(Some(r)) => Poll::Ready(r),
+            // Dropping the permit frees the backlog slot.
+            Poll::Ready(Some(r)) => Poll::Ready(r.map(|(s, a, _slot)| (s, a))),
             Poll::Ready(None) => Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "the listener's background task ended",
@@ -128,10 +143,14 @@ impl Drop for RdmaListener {
     }
 }
 
-type Incoming = mpsc::Sender<io::Result<(RdmaStream, SocketAddr)>>;
+type Incoming = mpsc::Sender<Queued>;
 
-async fn listen_loop(id: CmId, channel: Arc<EventChannel>, cfg: RdmaConfig, tx: Incoming) {
-    let _listen_id = id;
+async fn listen_loop(
+    channel: Arc<EventChannel>,
+    cfg: RdmaConfig,
+    tx: Incoming,
+    slots: Arc<Semaphore>,
+) {
     let mut handshakes = JoinSet::new();
     loop {
         tokio::select! {
@@ -148,13 +167,18 @@ async fn listen_loop(id: CmId, channel: Arc<EventChannel>, cfg: RdmaConfig, tx: 
                     continue;
                 }
                 let Some(new_id) = ev.new_id else { continue };
+                let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                    warn!("listen backlog full; rejecting connection request");
+                    let _ = new_id.reject(&encode_reject(RejectReason::ServerResources));
+                    continue;
+                };
                 let cfg = cfg.clone();
                 let tx = tx.clone();
                 handshakes.spawn(async move {
                     match accept_one(new_id, ev.private_data, &cfg).await {
                         Ok(Some(c)) => {
                             let peer = c.peer_addr;
-                            if tx.send(Ok((RdmaStream::from_conn(c), peer))).await.is_err() {
+                            if tx.send(Ok((RdmaStream::from_conn(c), peer, Some(slot)))).await.is_err() {
                                 debug!("listener dropped; closing accepted connection");
                             }
                         }

@@ -78,6 +78,7 @@ impl RdmaStream {
         addr: A,
         config: &RdmaConfig,
     ) -> io::Result<RdmaStream> {
+        config.validate()?;
         let mut last = None;
         for a in tokio::net::lookup_host(addr).await? {
             match connect::connect(a, config).await {

@@ -24,11 +24,13 @@ pub struct OwnedReadHalf {
     conn: Handle,
 }
 
-/// Owned write half, from [`RdmaStream::into_split`]. Dropping it does not
-/// close the stream (like tokio's, it only closes when both halves are
-/// gone); call `shutdown` to half-close.
+/// Owned write half, from [`RdmaStream::into_split`]. Like tokio's,
+/// dropping it half-closes the stream's write side (the peer reads EOF once
+/// everything written is delivered) unless [`forget`](Self::forget) is
+/// called; the connection itself closes when both halves are gone.
 pub struct OwnedWriteHalf {
     conn: Handle,
+    shutdown_on_drop: bool,
 }
 
 impl std::fmt::Debug for OwnedReadHalf {
@@ -65,6 +67,7 @@ pub(super) fn split(stream: &mut RdmaStream) -> (ReadHalf<'_>, WriteHalf<'_>) {
 pub(super) fn into_split(stream: RdmaStream) -> (OwnedReadHalf, OwnedWriteHalf) {
     let write = OwnedWriteHalf {
         conn: stream.conn.another(),
+        shutdown_on_drop: true,
     };
     (OwnedReadHalf { conn: stream.conn }, write)
 }
@@ -78,7 +81,9 @@ impl OwnedReadHalf {
         if !self.conn.same_conn(&other.conn) {
             return Err(ReuniteError(self, other));
         }
-        // Two handles become one.
+        // Two handles become one; reuniting is not a half-close.
+        let mut other = other;
+        other.shutdown_on_drop = false;
         drop(other);
         Ok(RdmaStream { conn: self.conn })
     }
@@ -94,7 +99,21 @@ impl OwnedReadHalf {
     }
 }
 
+impl Drop for OwnedWriteHalf {
+    fn drop(&mut self) {
+        if self.shutdown_on_drop {
+            self.conn.shutdown_write();
+        }
+    }
+}
+
 impl OwnedWriteHalf {
+    /// Drops the write half without half-closing the stream (tokio's
+    /// `OwnedWriteHalf::forget`).
+    pub fn forget(mut self) {
+        self.shutdown_on_drop = false;
+    }
+
     /// Puts the halves back together; see [`OwnedReadHalf::reunite`].
     ///
     /// # Errors
