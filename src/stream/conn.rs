@@ -575,9 +575,9 @@ pub(crate) struct Established {
     pub id: CmId,
     pub qp: RcQueuePair,
     pub peer: Hello,
-    pub local_addr: SocketAddr,
-    pub peer_addr: SocketAddr,
     pub device: String,
+    /// Reported as the local/peer address if rdma_cm cannot say.
+    pub fallback_addr: SocketAddr,
 }
 
 /// The sizes and core parameters for a connection from `cfg` and the
@@ -636,6 +636,8 @@ pub(crate) fn new_qp(
 
 /// Builds the shared connection and starts its driver task.
 pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
+    let local_addr = est.id.local_addr().unwrap_or(est.fallback_addr);
+    let peer_addr = est.id.peer_addr().unwrap_or(est.fallback_addr);
     let max_inline = est.qp.max_inline();
     let core = StreamCore::new(params(cfg, &est.peer, max_inline))?;
     let conn_id = CONN_IDS.fetch_add(1, Ordering::Relaxed);
@@ -660,8 +662,8 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
     let conn = Arc::new(Conn {
         state: Mutex::new(state),
         notify: Notify::new(),
-        local_addr: est.local_addr,
-        peer_addr: est.peer_addr,
+        local_addr,
+        peer_addr,
         qp_num,
         device: est.device,
         busy_poll: cfg.busy_poll,
@@ -670,8 +672,8 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
     let span = tracing::debug_span!(
         "rdma_conn",
         id = conn_id,
-        local = %est.local_addr,
-        peer = %est.peer_addr,
+        local = %local_addr,
+        peer = %peer_addr,
         qp = qp_num
     );
     let driver = Driver {

@@ -100,16 +100,13 @@ async fn connect_inner(addr: SocketAddr, cfg: &RdmaConfig) -> Result<Arc<Conn>> 
     qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTR)?;
     qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTS)?;
     id.establish()?;
-    let local_addr = id.local_addr().unwrap_or(addr);
-    let peer_addr = id.peer_addr().unwrap_or(addr);
     conn::spawn(
         Established {
             id,
             qp,
             peer,
-            local_addr,
-            peer_addr,
             device,
+            fallback_addr: addr,
         },
         cfg,
     )

@@ -233,16 +233,13 @@ async fn accept_one(
         debug!(kind = ?ev.kind, status = ev.status, "connection not established");
         return Ok(None);
     }
-    let local_addr = id.local_addr().unwrap_or(([0, 0, 0, 0], 0).into());
-    let peer_addr = id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into());
     conn::spawn(
         Established {
             id,
             qp,
             peer,
-            local_addr,
-            peer_addr,
             device,
+            fallback_addr: ([0, 0, 0, 0], 0).into(),
         },
         cfg,
     )
