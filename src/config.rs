@@ -76,17 +76,8 @@ impl RdmaConfig {
         }
         // The core validates its parameters; check ours as if the peer used
         // the same values.
-        let params = StreamParams {
-            send_buf_len: self.send_buffer_size,
-            ring_len: self.ring_size,
-            recv_depth: self.recv_queue_depth,
-            peer_ring_len: self.ring_size,
-            peer_recv_depth: self.recv_queue_depth,
-            send_queue_depth: self.send_queue_depth,
-            inline_threshold: self.inline_threshold,
-            signal_interval: self.signal_interval,
-            max_write_len: self.max_write_size,
-        };
+        let params =
+            self.stream_params(self.ring_size, self.recv_queue_depth, self.inline_threshold);
         match StreamCore::new(params) {
             Ok(_) => Ok(()),
             Err(ProtocolError::InvalidParams {
@@ -105,6 +96,28 @@ impl RdmaConfig {
                 allowed,
             }),
             Err(e) => Err(Error::Protocol(e)),
+        }
+    }
+
+    /// The protocol core's parameters for a connection with this config, a
+    /// peer advertising `peer_ring_len` bytes and `peer_recv_depth` receive
+    /// WRs, and a QP granting `max_inline` bytes of inline data.
+    pub(crate) fn stream_params(
+        &self,
+        peer_ring_len: u32,
+        peer_recv_depth: u16,
+        max_inline: u32,
+    ) -> StreamParams {
+        StreamParams {
+            send_buf_len: self.send_buffer_size,
+            ring_len: self.ring_size,
+            recv_depth: self.recv_queue_depth,
+            peer_ring_len,
+            peer_recv_depth,
+            send_queue_depth: self.send_queue_depth,
+            inline_threshold: self.inline_threshold.min(max_inline),
+            signal_interval: self.signal_interval,
+            max_write_len: self.max_write_size,
         }
     }
 

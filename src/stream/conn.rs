@@ -23,7 +23,7 @@ use tracing::{Instrument, debug, trace, warn};
 use crate::config::RdmaConfig;
 use crate::error::{Error, Result};
 use crate::proto::handshake::{EndpointKind, Hello};
-use crate::proto::stream::{RecvEvent, StreamCore, StreamParams, Transmit, TransmitKind};
+use crate::proto::stream::{RecvEvent, StreamCore, Transmit, TransmitKind};
 use crate::proto::{ProtocolError, WriteError};
 use crate::stats::ConnectionStats;
 use crate::verbs::cm::{CmEventKind, CmId};
@@ -580,22 +580,6 @@ pub(crate) struct Established {
     pub fallback_addr: SocketAddr,
 }
 
-/// The sizes and core parameters for a connection from `cfg` and the
-/// peer's Hello.
-fn params(cfg: &RdmaConfig, peer: &Hello, max_inline: u32) -> StreamParams {
-    StreamParams {
-        send_buf_len: cfg.send_buffer_size,
-        ring_len: cfg.ring_size,
-        recv_depth: cfg.recv_queue_depth,
-        peer_ring_len: peer.ring_len,
-        peer_recv_depth: peer.recv_depth,
-        send_queue_depth: cfg.send_queue_depth,
-        inline_threshold: cfg.inline_threshold.min(max_inline),
-        signal_interval: cfg.signal_interval,
-        max_write_len: cfg.max_write_size,
-    }
-}
-
 pub(crate) fn rc_sizes(cfg: &RdmaConfig) -> RcSizes {
     RcSizes {
         send_depth: u32::from(cfg.send_queue_depth),
@@ -639,7 +623,8 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
     let local_addr = est.id.local_addr().unwrap_or(est.fallback_addr);
     let peer_addr = est.id.peer_addr().unwrap_or(est.fallback_addr);
     let max_inline = est.qp.max_inline();
-    let core = StreamCore::new(params(cfg, &est.peer, max_inline))?;
+    let core =
+        StreamCore::new(cfg.stream_params(est.peer.ring_len, est.peer.recv_depth, max_inline))?;
     let conn_id = CONN_IDS.fetch_add(1, Ordering::Relaxed);
     let qp_num = est.qp.qp_num();
     let state = State {
