@@ -784,6 +784,8 @@ pub struct MessageCore {
     rdv_in: u16,
     /// Receive slots returnable to the peer.
     to_return: u16,
+    /// Receive slots the runtime could not repost yet (no free buffer).
+    unposted: u16,
 
     // Lifecycle.
     local_abort: Option<(u32, bool)>,
@@ -900,6 +902,7 @@ impl MessageCore {
             next_rts_seq_in: 0,
             rdv_in: 0,
             to_return: 0,
+            unposted: 0,
             local_abort: None,
             peer_abort: None,
             lost: false,
@@ -1021,8 +1024,29 @@ impl MessageCore {
             .extend(tokens.into_iter().map(|token| MsgEvent::Reclaim { token }));
     }
 
+    /// Slots that may be returned now: every returnable slot except those
+    /// the runtime has not reposted a buffer for (see
+    /// [`set_unposted_recvs`](MessageCore::set_unposted_recvs)).
+    fn creditable(&self) -> u16 {
+        // Slots not posted must be covered by slots still held back:
+        // unposted <= held + (to_return - count).
+        let held = u16::try_from(self.held()).unwrap_or(u16::MAX);
+        let cover = held.saturating_add(self.to_return);
+        self.to_return.min(cover.saturating_sub(self.unposted))
+    }
+
     fn credit_due(&self) -> Option<u32> {
-        (self.to_return >= self.credit_threshold).then_some(u32::from(self.to_return))
+        let n = self.creditable();
+        (n >= self.credit_threshold).then_some(u32::from(n))
+    }
+
+    /// Tells the core how many receive slots have no buffer posted right
+    /// now (the runtime had no free pool buffer to replace one kept by an
+    /// EAGER message). CREDIT never returns such a slot, so the peer cannot
+    /// send into a receive queue that lacks a buffer (no RNR): the peer
+    /// stalls on credit until the runtime reposts and sets this back.
+    pub fn set_unposted_recvs(&mut self, n: u16) {
+        self.unposted = n;
     }
 
     /// The first rendezvous with a destination and bytes left to READ.

@@ -221,7 +221,7 @@ impl State {
                 }
                 1
             }
-            WcKind::Other => 0,
+            WcKind::Recv | WcKind::Other => 0,
         }
     }
 
@@ -606,6 +606,7 @@ pub(crate) fn local_hello(qp: &RcQueuePair, cfg: &RdmaConfig) -> Hello {
 pub(crate) fn new_qp(
     id: &CmId,
     cfg: &RdmaConfig,
+    sizes: RcSizes,
 ) -> Result<(Arc<OpenDevice>, RcQueuePair, String)> {
     let name = id.device_name().ok_or(Error::NoDevice)?;
     if let Some(want) = &cfg.device {
@@ -614,7 +615,7 @@ pub(crate) fn new_qp(
         }
     }
     let dev = crate::verbs::rc::open_device(&name)?;
-    let qp = RcQueuePair::new(Arc::clone(&dev), rc_sizes(cfg))?;
+    let qp = RcQueuePair::new(Arc::clone(&dev), sizes)?;
     Ok((dev, qp, name))
 }
 

@@ -11,13 +11,92 @@ use crate::config::RdmaConfig;
 use crate::error::{Error, Result};
 use crate::proto::handshake::{EndpointKind, Hello, decode_reject, encode_reject};
 use crate::verbs::cm::{CmEvent, CmEventKind, CmId, EventChannel};
+use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
 
 /// IB CM reject reason "consumer reject" (IBTA vol. 1, 12.6.7.2, table 112):
 /// the remote application called `rdma_reject`.
 const IB_CM_REJ_CONSUMER_DEFINED: i32 = 28;
 
-pub(crate) async fn connect(addr: SocketAddr, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
-    match tokio::time::timeout(cfg.connect_timeout, connect_inner(addr, cfg)).await {
+/// What differs between the kinds of endpoint (byte stream, message) in
+/// the rdma_cm handshake; the connect and accept code is shared.
+pub(crate) trait Setup: Clone + Send + Sync + 'static {
+    /// What a finished handshake yields.
+    type Out: Send + 'static;
+    /// Resources made ready before the QP exists (for example pool buffers).
+    type Prep: Send + 'static;
+    /// The endpoint kind both sides must announce.
+    const KIND: EndpointKind;
+    /// Connection settings (timeouts, device, backlog).
+    fn rdma(&self) -> &RdmaConfig;
+    /// Sizes of the QP and its buffers.
+    fn sizes(&self) -> RcSizes;
+    /// RDMA READs in flight per direction (`rdma_conn_param` initiator
+    /// depth and responder resources).
+    fn read_depth(&self) -> u8 {
+        1
+    }
+    /// Makes resources ready on the device the connection resolved to.
+    fn prepare(
+        &self,
+        device: &Arc<OpenDevice>,
+    ) -> impl std::future::Future<Output = Result<Self::Prep>> + Send;
+    /// The QP is in INIT: post receives and return this side's `Hello`.
+    fn on_init(&self, qp: &mut RcQueuePair, prep: &mut Self::Prep) -> Result<Hello>;
+    /// The connection is established: start its runtime.
+    fn finish(&self, est: Established, prep: Self::Prep) -> Result<Self::Out>;
+}
+
+/// The byte stream's [`Setup`].
+#[derive(Clone)]
+pub(crate) struct StreamSetup(pub(crate) RdmaConfig);
+
+impl Setup for StreamSetup {
+    type Out = Arc<Conn>;
+    type Prep = ();
+    const KIND: EndpointKind = EndpointKind::ByteStream;
+    fn rdma(&self) -> &RdmaConfig {
+        &self.0
+    }
+    fn sizes(&self) -> RcSizes {
+        conn::rc_sizes(&self.0)
+    }
+    async fn prepare(&self, _device: &Arc<OpenDevice>) -> Result<()> {
+        Ok(())
+    }
+    fn on_init(&self, qp: &mut RcQueuePair, _prep: &mut ()) -> Result<Hello> {
+        qp.post_recvs(self.0.recv_queue_depth.into())?;
+        Ok(conn::local_hello(qp, &self.0))
+    }
+    fn finish(&self, est: Established, _prep: ()) -> Result<Arc<Conn>> {
+        conn::spawn(est, &self.0)
+    }
+}
+
+/// Connects to the first address `addr` resolves to that accepts, like
+/// `TcpStream::connect`.
+pub(crate) async fn connect_any<S: Setup, A: tokio::net::ToSocketAddrs>(
+    addr: A,
+    setup: &S,
+) -> std::io::Result<S::Out> {
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await? {
+        match connect(a, setup).await {
+            Ok(out) => return Ok(out),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map(std::io::Error::from).unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "could not resolve to any address",
+        )
+    }))
+}
+
+/// Connects to `addr` (bounded by the connect timeout).
+pub(crate) async fn connect<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> {
+    let timeout = setup.rdma().connect_timeout;
+    match tokio::time::timeout(timeout, connect_inner(addr, setup)).await {
         Ok(r) => r,
         Err(_) => Err(Error::TimedOut { addr }),
     }
@@ -59,7 +138,8 @@ async fn expect(
     })
 }
 
-async fn connect_inner(addr: SocketAddr, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
+async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> {
+    let cfg = setup.rdma();
     // Fail fast with the foundation's typed error on hosts without RDMA.
     crate::verbs::devices()?;
     let channel = EventChannel::new()?;
@@ -76,18 +156,17 @@ async fn connect_inner(addr: SocketAddr, cfg: &RdmaConfig) -> Result<Arc<Conn>> 
     })?;
     expect(&channel, addr, CmEventKind::RouteResolved).await?;
 
-    let (_dev, mut qp, device) = conn::new_qp(&id, cfg)?;
-    qp.connect_from_cm(&id, true)?;
-    let hello = conn::local_hello(&qp, cfg);
-    id.connect(qp.qp_num(), &hello.encode())?;
+    let (dev, mut qp, device) = conn::new_qp(&id, cfg, setup.sizes())?;
+    let mut prep = setup.prepare(&dev).await?;
+    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
+    let hello = setup.on_init(&mut qp, &mut prep)?;
+    id.connect(qp.qp_num(), &hello.encode(), setup.read_depth())?;
     let ev = expect(&channel, addr, CmEventKind::ConnectResponse).await?;
-    let peer = match Hello::decode(&ev.private_data)
-        .and_then(|h| h.expect_kind(EndpointKind::ByteStream))
-    {
+    let peer = match Hello::decode(&ev.private_data).and_then(|h| h.expect_kind(S::KIND)) {
         Ok(h) => h,
         Err(e) => {
-            // The server is not a tokio-rdma stream listener we understand:
-            // refuse to complete the connection and tell it why.
+            // The server is not a tokio-rdma listener of our kind that we
+            // understand: refuse to complete the connection and tell it why.
             let _ = id.reject(&encode_reject(e.reject_reason()));
             let _ = id.disconnect();
             return Err(Error::Handshake(e));
@@ -100,7 +179,7 @@ async fn connect_inner(addr: SocketAddr, cfg: &RdmaConfig) -> Result<Arc<Conn>> 
     qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTR)?;
     qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTS)?;
     id.establish()?;
-    conn::spawn(
+    setup.finish(
         Established {
             id,
             qp,
@@ -108,7 +187,7 @@ async fn connect_inner(addr: SocketAddr, cfg: &RdmaConfig) -> Result<Arc<Conn>> 
             device,
             fallback_addr: addr,
         },
-        cfg,
+        prep,
     )
 }
 
@@ -124,9 +203,10 @@ pub(crate) async fn raw_connect(addr: SocketAddr, private_data: &[u8]) -> Result
     expect(&channel, addr, CmEventKind::AddrResolved).await?;
     id.resolve_route(cfg.resolve_timeout)?;
     expect(&channel, addr, CmEventKind::RouteResolved).await?;
-    let (_dev, mut qp, _device) = conn::new_qp(&id, &cfg)?;
-    qp.connect_from_cm(&id, true)?;
-    id.connect(qp.qp_num(), private_data)?;
+    let (_dev, mut qp, _device) = conn::new_qp(&id, &cfg, conn::rc_sizes(&cfg))?;
+    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
+    qp.post_recvs(cfg.recv_queue_depth.into())?;
+    id.connect(qp.qp_num(), private_data, 1)?;
     expect(&channel, addr, CmEventKind::ConnectResponse).await?;
     let _ = id.disconnect();
     Ok(())

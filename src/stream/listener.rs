@@ -11,11 +11,14 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
 
+use rdma_mummy_sys::ibv_qp_state;
+
 use super::RdmaStream;
-use super::conn::{self, Conn, Established};
+use super::conn::{self, Established};
+use super::connect::{Setup, StreamSetup};
 use crate::config::RdmaConfig;
 use crate::error::{Error, Result};
-use crate::proto::handshake::{EndpointKind, Hello, RejectReason, encode_reject};
+use crate::proto::handshake::{Hello, RejectReason, encode_reject};
 use crate::verbs::cm::{CmEventKind, CmId, EventChannel};
 
 /// A listener for RDMA stream connections, used like
@@ -28,8 +31,15 @@ use crate::verbs::cm::{CmEventKind, CmId, EventChannel};
 /// it is cancel-safe: dropping an `accept` future (for example in
 /// `tokio::select!`) loses no connection.
 pub struct RdmaListener {
+    inner: Listener<StreamSetup>,
+}
+
+/// The listening side shared by every endpoint kind: the rdma_cm listen id,
+/// the background task that runs handshakes, and the queue of established
+/// connections.
+pub(crate) struct Listener<S: Setup> {
     local_addr: SocketAddr,
-    incoming: Mutex<mpsc::Receiver<Queued>>,
+    incoming: Mutex<mpsc::Receiver<Queued<S::Out>>>,
     task: tokio::task::JoinHandle<()>,
     /// Destroyed in `drop`, so the port is free again when `drop` returns
     /// (as with `TcpListener`).
@@ -37,12 +47,12 @@ pub struct RdmaListener {
 }
 
 /// An established connection waiting for `accept`, with its backlog slot.
-type Queued = io::Result<(RdmaStream, SocketAddr, Option<OwnedSemaphorePermit>)>;
+type Queued<T> = io::Result<(T, SocketAddr, Option<OwnedSemaphorePermit>)>;
 
 impl std::fmt::Debug for RdmaListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaListener")
-            .field("local_addr", &self.local_addr)
+            .field("local_addr", &self.inner.local_addr)
             .finish()
     }
 }
@@ -65,43 +75,8 @@ impl RdmaListener {
         config: &RdmaConfig,
     ) -> io::Result<RdmaListener> {
         config.validate()?;
-        let mut last = None;
-        for a in tokio::net::lookup_host(addr).await? {
-            match Self::bind_one(a, config) {
-                Ok(l) => return Ok(l),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.map(io::Error::from).unwrap_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "could not resolve to any address",
-            )
-        }))
-    }
-
-    fn bind_one(addr: SocketAddr, cfg: &RdmaConfig) -> Result<RdmaListener> {
-        crate::verbs::devices()?;
-        let channel = EventChannel::new()?;
-        let id = CmId::new(&channel)?;
-        id.bind(addr)?;
-        id.listen(cfg.backlog)?;
-        let local_addr = id.local_addr().unwrap_or(addr);
-        // Handshakes in flight plus established connections not yet
-        // accepted never exceed the backlog; requests beyond it are rejected
-        // (`RejectReason::ServerResources`) instead of each taking a queue
-        // pair and registered memory.
-        let backlog = cfg.backlog.max(1) as usize;
-        let slots = Arc::new(Semaphore::new(backlog));
-        let (tx, rx) = mpsc::channel(backlog + 1);
-        let span = tracing::debug_span!("rdma_listener", local = %local_addr);
-        let task = tokio::spawn(listen_loop(channel, cfg.clone(), tx, slots).instrument(span));
-        Ok(RdmaListener {
-            local_addr,
-            incoming: Mutex::new(rx),
-            task,
-            _listen_id: id,
-        })
+        let inner = Listener::bind(addr, StreamSetup(config.clone())).await?;
+        Ok(RdmaListener { inner })
     }
 
     /// Waits for the next established connection.
@@ -119,6 +94,66 @@ impl RdmaListener {
     /// [`accept`](Self::accept), for hyper/axum style accept loops). Only the
     /// task that polled last is woken, as with tokio's `poll_accept`.
     pub fn poll_accept(&self, cx: &mut Context<'_>) -> Poll<io::Result<(RdmaStream, SocketAddr)>> {
+        self.inner
+            .poll_accept(cx)
+            .map_ok(|(c, a)| (RdmaStream::from_conn(c), a))
+    }
+
+    /// The local address the listener is bound to, with the actual port.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        Ok(self.inner.local_addr)
+    }
+}
+
+impl<S: Setup> Listener<S> {
+    /// Binds to the first address `addr` resolves to that works.
+    pub(crate) async fn bind<A: ToSocketAddrs>(addr: A, setup: S) -> io::Result<Listener<S>> {
+        let mut last = None;
+        for a in tokio::net::lookup_host(addr).await? {
+            match Self::bind_one(a, setup.clone()) {
+                Ok(l) => return Ok(l),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.map(io::Error::from).unwrap_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "could not resolve to any address",
+            )
+        }))
+    }
+
+    fn bind_one(addr: SocketAddr, setup: S) -> Result<Listener<S>> {
+        crate::verbs::devices()?;
+        let cfg = setup.rdma();
+        let channel = EventChannel::new()?;
+        let id = CmId::new(&channel)?;
+        id.bind(addr)?;
+        id.listen(cfg.backlog)?;
+        let local_addr = id.local_addr().unwrap_or(addr);
+        // Handshakes in flight plus established connections not yet
+        // accepted never exceed the backlog; requests beyond it are rejected
+        // (`RejectReason::ServerResources`) instead of each taking a queue
+        // pair and registered memory.
+        let backlog = cfg.backlog.max(1) as usize;
+        let slots = Arc::new(Semaphore::new(backlog));
+        let (tx, rx) = mpsc::channel(backlog + 1);
+        let span = tracing::debug_span!("rdma_listener", local = %local_addr, kind = %S::KIND);
+        let task = tokio::spawn(listen_loop(channel, setup, tx, slots).instrument(span));
+        Ok(Listener {
+            local_addr,
+            incoming: Mutex::new(rx),
+            task,
+            _listen_id: id,
+        })
+    }
+
+    /// Polls for an established connection; only the task that polled last
+    /// is woken.
+    pub(crate) fn poll_accept(
+        &self,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<(S::Out, SocketAddr)>> {
         let mut rx = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
         match rx.poll_recv(cx) {
             // Dropping the permit frees the backlog slot.
@@ -131,24 +166,24 @@ impl RdmaListener {
         }
     }
 
-    /// The local address the listener is bound to, with the actual port.
-    pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        Ok(self.local_addr)
+    /// The local address, with the actual port.
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.local_addr
     }
 }
 
-impl Drop for RdmaListener {
+impl<S: Setup> Drop for Listener<S> {
     fn drop(&mut self) {
         self.task.abort();
     }
 }
 
-type Incoming = mpsc::Sender<Queued>;
+type Incoming<T> = mpsc::Sender<Queued<T>>;
 
-async fn listen_loop(
+async fn listen_loop<S: Setup>(
     channel: Arc<EventChannel>,
-    cfg: RdmaConfig,
-    tx: Incoming,
+    setup: S,
+    tx: Incoming<S::Out>,
     slots: Arc<Semaphore>,
 ) {
     let mut handshakes = JoinSet::new();
@@ -172,13 +207,12 @@ async fn listen_loop(
                     let _ = new_id.reject(&encode_reject(RejectReason::ServerResources));
                     continue;
                 };
-                let cfg = cfg.clone();
+                let setup = setup.clone();
                 let tx = tx.clone();
                 handshakes.spawn(async move {
-                    match accept_one(new_id, ev.private_data, &cfg).await {
-                        Ok(Some(c)) => {
-                            let peer = c.peer_addr;
-                            if tx.send(Ok((RdmaStream::from_conn(c), peer, Some(slot)))).await.is_err() {
+                    match accept_one(new_id, ev.private_data, &setup).await {
+                        Ok(Some((c, peer))) => {
+                            if tx.send(Ok((c, peer, Some(slot)))).await.is_err() {
                                 debug!("listener dropped; closing accepted connection");
                             }
                         }
@@ -193,33 +227,42 @@ async fn listen_loop(
 }
 
 /// Runs the passive handshake for one request. `Ok(None)`: rejected.
-async fn accept_one(
+async fn accept_one<S: Setup>(
     mut id: CmId,
     private_data: Vec<u8>,
-    cfg: &RdmaConfig,
-) -> Result<Option<Arc<Conn>>> {
-    let peer =
-        match Hello::decode(&private_data).and_then(|h| h.expect_kind(EndpointKind::ByteStream)) {
-            Ok(h) => h,
-            Err(e) => {
-                warn!(error = %e, "rejecting connection request");
-                id.reject(&encode_reject(e.reject_reason()))?;
-                return Ok(None);
-            }
-        };
+    setup: &S,
+) -> Result<Option<(S::Out, SocketAddr)>> {
+    let cfg = setup.rdma();
+    let peer = match Hello::decode(&private_data).and_then(|h| h.expect_kind(S::KIND)) {
+        Ok(h) => h,
+        Err(e) => {
+            warn!(error = %e, "rejecting connection request");
+            id.reject(&encode_reject(e.reject_reason()))?;
+            return Ok(None);
+        }
+    };
     // Each connection gets its own event channel (and driver).
     let channel = EventChannel::new()?;
     id.migrate(&channel)?;
-    let (_dev, mut qp, device) = match conn::new_qp(&id, cfg) {
+    let prepared = match conn::new_qp(&id, cfg, setup.sizes()) {
+        Ok((dev, qp, device)) => match setup.prepare(&dev).await {
+            Ok(prep) => Ok((qp, device, prep)),
+            Err(e) => Err(e),
+        },
+        Err(e) => Err(e),
+    };
+    let (mut qp, device, mut prep) = match prepared {
         Ok(x) => x,
         Err(e) => {
             let _ = id.reject(&encode_reject(RejectReason::ServerResources));
             return Err(e);
         }
     };
-    qp.connect_from_cm(&id, false)?;
-    let hello = conn::local_hello(&qp, cfg);
-    id.accept(qp.qp_num(), &hello.encode())?;
+    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
+    let hello = setup.on_init(&mut qp, &mut prep)?;
+    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTR)?;
+    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTS)?;
+    id.accept(qp.qp_num(), &hello.encode(), setup.read_depth())?;
     let ev = tokio::time::timeout(cfg.connect_timeout, channel.next())
         .await
         .map_err(|_| Error::TimedOut {
@@ -233,15 +276,17 @@ async fn accept_one(
         debug!(kind = ?ev.kind, status = ev.status, "connection not established");
         return Ok(None);
     }
-    conn::spawn(
-        Established {
-            id,
-            qp,
-            peer,
-            device,
-            fallback_addr: ([0, 0, 0, 0], 0).into(),
-        },
-        cfg,
-    )
-    .map(Some)
+    let peer_addr = id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into());
+    setup
+        .finish(
+            Established {
+                id,
+                qp,
+                peer,
+                device,
+                fallback_addr: ([0, 0, 0, 0], 0).into(),
+            },
+            prep,
+        )
+        .map(|out| Some((out, peer_addr)))
 }

@@ -2,8 +2,8 @@
 //! behave like tokio's `TcpStream` and `TcpListener`.
 
 mod conn;
-mod connect;
-mod listener;
+pub(crate) mod connect;
+pub(crate) mod listener;
 mod split;
 
 use std::io;
@@ -79,19 +79,8 @@ impl RdmaStream {
         config: &RdmaConfig,
     ) -> io::Result<RdmaStream> {
         config.validate()?;
-        let mut last = None;
-        for a in tokio::net::lookup_host(addr).await? {
-            match connect::connect(a, config).await {
-                Ok(conn) => return Ok(RdmaStream::from_conn(conn)),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.map(io::Error::from).unwrap_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "could not resolve to any address",
-            )
-        }))
+        let conn = connect::connect_any(addr, &connect::StreamSetup(config.clone())).await?;
+        Ok(RdmaStream::from_conn(conn))
     }
 
     /// The local address (IP and rdma_cm port) of this connection.

@@ -314,12 +314,15 @@ impl CmId {
         Ok(())
     }
 
-    fn conn_param(qp_num: u32, private_data: &[u8]) -> rdma_conn_param {
+    /// `RDMA_MAX_INIT_DEPTH` / `RDMA_MAX_RESP_RES` (librdmacm, rdma_cma.h).
+    pub(crate) const READ_DEPTH_MAX: u8 = 0xFF;
+
+    fn conn_param(qp_num: u32, private_data: &[u8], read_depth: u8) -> rdma_conn_param {
         rdma_conn_param {
             private_data: private_data.as_ptr().cast(),
             private_data_len: u8::try_from(private_data.len()).unwrap_or(u8::MAX),
-            responder_resources: 1,
-            initiator_depth: 1,
+            responder_resources: read_depth,
+            initiator_depth: read_depth,
             flow_control: 0,
             retry_count: 7,
             rnr_retry_count: 7,
@@ -329,8 +332,12 @@ impl CmId {
     }
 
     /// `rdma_connect` with our QP number and `private_data` (≤ 56 bytes).
-    pub(crate) fn connect(&self, qp_num: u32, private_data: &[u8]) -> Result<()> {
-        let mut p = Self::conn_param(qp_num, private_data);
+    /// `read_depth` is both the RDMA READs this side may have in flight
+    /// (initiator depth) and those it serves for the peer (responder
+    /// resources); [`READ_DEPTH_MAX`] asks librdmacm for the device's
+    /// maximum.
+    pub(crate) fn connect(&self, qp_num: u32, private_data: &[u8], read_depth: u8) -> Result<()> {
+        let mut p = Self::conn_param(qp_num, private_data, read_depth);
         // SAFETY: `p` and the private data it points to live across the call;
         // librdmacm copies them into the request.
         if unsafe { rdma_connect(self.raw.as_ptr(), &mut p) } != 0 {
@@ -339,9 +346,11 @@ impl CmId {
         Ok(())
     }
 
-    /// `rdma_accept` with our QP number and `private_data` (≤ 196 bytes).
-    pub(crate) fn accept(&self, qp_num: u32, private_data: &[u8]) -> Result<()> {
-        let mut p = Self::conn_param(qp_num, private_data);
+    /// `rdma_accept` with our QP number and `private_data` (≤ 196 bytes);
+    /// `read_depth` as for [`connect`](Self::connect) (librdmacm lowers it to
+    /// what the request offered).
+    pub(crate) fn accept(&self, qp_num: u32, private_data: &[u8], read_depth: u8) -> Result<()> {
+        let mut p = Self::conn_param(qp_num, private_data, read_depth);
         // SAFETY: as in `connect`.
         if unsafe { rdma_accept(self.raw.as_ptr(), &mut p) } != 0 {
             return Err(cm_err("rdma_accept"));

@@ -191,17 +191,21 @@ pub(crate) struct RcSizes {
     pub max_inline: u32,
     /// Registered send buffer (bytes).
     pub send_buf: usize,
-    /// Registered receive ring the peer writes into (bytes).
+    /// Registered receive ring the peer writes into (bytes); 0 for none
+    /// (a message endpoint, whose receives land in pool buffers).
     pub recv_ring: usize,
 }
 
 /// Completion status as the runtime needs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WcKind {
-    /// A send-queue WR completed (RDMA WRITE [WITH IMM]).
+    /// A send-queue WR completed (RDMA WRITE [WITH IMM], SEND [WITH IMM],
+    /// RDMA READ).
     Send,
     /// An RDMA WRITE WITH IMM landed and consumed a receive WR.
     RecvImm,
+    /// A SEND [WITH IMM] landed in a receive WR's buffer (`byte_len` bytes).
+    Recv,
     /// Any other opcode (not used by this crate).
     Other,
 }
@@ -213,8 +217,30 @@ pub(crate) struct Completion {
     /// `IBV_WC_SUCCESS` (0) or the failure status (`ibv_wc_status`).
     pub status: u32,
     pub kind: WcKind,
-    /// Immediate data in host byte order (RecvImm only).
+    /// Immediate data in host byte order (RecvImm and Recv).
     pub imm: u32,
+    /// Bytes received (Recv) or transferred.
+    pub byte_len: u32,
+}
+
+/// One scatter/gather element: `len` bytes at virtual address `addr` of a
+/// memory region with local key `lkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sge {
+    pub addr: u64,
+    pub len: u32,
+    pub lkey: u32,
+}
+
+/// The payload of a SEND ([`RcQueuePair::post_send_imm`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum SendPayload<'a> {
+    /// No payload.
+    None,
+    /// Copied into the WQE (`IBV_SEND_INLINE`).
+    Inline(&'a [u8]),
+    /// Read by the NIC from registered memory.
+    Sge(Sge),
 }
 
 /// Wraps the completion channel for AsyncFd registration.
@@ -244,7 +270,6 @@ pub(crate) struct RcQueuePair {
     events: Arc<CqEventFd>,
     unacked_events: u32,
     max_inline: u32,
-    recv_depth: u32,
     _device: Arc<OpenDevice>,
 }
 
@@ -288,11 +313,12 @@ impl RcQueuePair {
                 source: io::Error::other(e),
             })?;
         let send_buf = RegisteredBuffer::new(&device.pd, sizes.send_buf, AccessFlags::LocalWrite)?;
-        let recv_ring = RegisteredBuffer::new(
-            &device.pd,
-            sizes.recv_ring,
-            AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
-        )?;
+        let ring_access = if sizes.recv_ring == 0 {
+            AccessFlags::LocalWrite
+        } else {
+            AccessFlags::LocalWrite | AccessFlags::RemoteWrite
+        };
+        let recv_ring = RegisteredBuffer::new(&device.pd, sizes.recv_ring, ring_access)?;
         // SAFETY: the channel's fd stays open for as long as the Arc we hand
         // to AsyncFd lives, and AsyncFd owns that Arc.
         let events = unsafe {
@@ -310,7 +336,6 @@ impl RcQueuePair {
             events: Arc::new(events),
             unacked_events: 0,
             max_inline: sizes.max_inline,
-            recv_depth: sizes.recv_depth,
             _device: device,
         })
     }
@@ -337,18 +362,6 @@ impl RcQueuePair {
                 op: "ibv_modify_qp",
                 source: io::Error::from_raw_os_error(ret),
             });
-        }
-        Ok(())
-    }
-
-    /// Brings the QP to INIT, posts `recv_depth` receive WRs (a QP in RESET
-    /// takes none), then unless `init_only` on to RTR and RTS.
-    pub(crate) fn connect_from_cm(&mut self, id: &CmId, init_only: bool) -> Result<()> {
-        self.modify_from_cm(id, ibv_qp_state::IBV_QPS_INIT)?;
-        self.post_recvs(self.recv_depth)?;
-        if !init_only {
-            self.modify_from_cm(id, ibv_qp_state::IBV_QPS_RTR)?;
-            self.modify_from_cm(id, ibv_qp_state::IBV_QPS_RTS)?;
         }
         Ok(())
     }
@@ -434,6 +447,96 @@ impl RcQueuePair {
         })
     }
 
+    /// Posts one receive WR per `(wr_id, sge)`: a SEND lands in the SGE's
+    /// memory. Used by the message endpoint with pool buffers.
+    ///
+    /// # Safety
+    ///
+    /// Every SGE must name memory registered with local-write access under
+    /// its lkey on this QP's PD that stays allocated and untouched by the
+    /// program until the receive completes (or is flushed).
+    pub(crate) unsafe fn post_recv_sges(&mut self, wrs: &[(u64, Sge)]) -> Result<()> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let mut guard = self.qp.start_post_recv();
+        for &(wr_id, sge) in wrs {
+            let wr = guard.construct_wr(wr_id);
+            // SAFETY: the caller guarantees the SGE's memory (see above).
+            unsafe { wr.setup_sge(sge.lkey, sge.addr, sge.len) };
+        }
+        guard.post().map_err(|e| Error::Verbs {
+            op: "ibv_post_recv",
+            source: io::Error::other(e),
+        })
+    }
+
+    /// Posts one SEND WITH IMM. The payload is `inline` bytes copied into the
+    /// WQE, or `sge`, or nothing (a zero-length control message).
+    ///
+    /// # Safety
+    ///
+    /// `sge` (if any) must name memory registered under its lkey on this
+    /// QP's PD that stays allocated and unmodified until the WR completes.
+    pub(crate) unsafe fn post_send_imm(
+        &mut self,
+        wr_id: u64,
+        payload: SendPayload<'_>,
+        imm: u32,
+        signaled: bool,
+    ) -> Result<()> {
+        let flags = if signaled {
+            WorkRequestFlags::Signaled
+        } else {
+            WorkRequestFlags::none()
+        };
+        let mut guard = self.qp.start_post_send();
+        let wr = guard.construct_wr(wr_id, flags).setup_send_imm(imm.to_be());
+        match payload {
+            SendPayload::None => {}
+            SendPayload::Inline(data) => wr.setup_inline_data(data),
+            // SAFETY: the caller guarantees the SGE's memory (see above).
+            SendPayload::Sge(sge) => unsafe { wr.setup_sge(sge.lkey, sge.addr, sge.len) },
+        }
+        guard.post().map_err(|e| Error::Verbs {
+            op: "ibv_post_send",
+            source: io::Error::other(e),
+        })
+    }
+
+    /// Posts one RDMA READ of `local.len` bytes from `remote_addr` (rkey
+    /// `rkey`) into `local`.
+    ///
+    /// # Safety
+    ///
+    /// `local` must name memory registered with local-write access under its
+    /// lkey on this QP's PD that stays allocated and untouched by the program
+    /// until the WR completes (or is flushed).
+    pub(crate) unsafe fn post_read(
+        &mut self,
+        wr_id: u64,
+        local: Sge,
+        remote_addr: u64,
+        rkey: u32,
+        signaled: bool,
+    ) -> Result<()> {
+        let flags = if signaled {
+            WorkRequestFlags::Signaled
+        } else {
+            WorkRequestFlags::none()
+        };
+        let mut guard = self.qp.start_post_send();
+        let wr = guard
+            .construct_wr(wr_id, flags)
+            .setup_read(rkey, remote_addr);
+        // SAFETY: the caller guarantees the SGE's memory (see above).
+        unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
+        guard.post().map_err(|e| Error::Verbs {
+            op: "ibv_post_send",
+            source: io::Error::other(e),
+        })
+    }
+
     /// Drains the CQ into `out` without blocking.
     pub(crate) fn poll(&self, out: &mut Vec<Completion>) -> Result<()> {
         use sideway::ibverbs::completion::PollCompletionQueueError;
@@ -442,8 +545,10 @@ impl RcQueuePair {
                 for wc in poller {
                     let kind = match wc.opcode() {
                         rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RDMA_WRITE
-                        | rdma_mummy_sys::ibv_wc_opcode::IBV_WC_SEND => WcKind::Send,
+                        | rdma_mummy_sys::ibv_wc_opcode::IBV_WC_SEND
+                        | rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RDMA_READ => WcKind::Send,
                         rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => WcKind::RecvImm,
+                        rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV => WcKind::Recv,
                         _ => WcKind::Other,
                     };
                     out.push(Completion {
@@ -451,6 +556,7 @@ impl RcQueuePair {
                         status: wc.status(),
                         kind,
                         imm: u32::from_be(wc.imm_data()),
+                        byte_len: wc.byte_len(),
                     });
                 }
                 Ok(())
