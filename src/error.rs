@@ -83,6 +83,26 @@ pub enum Error {
     #[error("protocol violation by peer: {0}")]
     Protocol(#[from] crate::proto::ProtocolError),
 
+    /// The peer of a message endpoint broke the message protocol (see
+    /// [`MessageError`](crate::proto::message::MessageError) for each case:
+    /// an oversized announcement, a bad sequence number, credit overflow).
+    /// The endpoint sent an ABORT and is unusable. Maps to
+    /// [`io::ErrorKind::InvalidData`].
+    #[error("message protocol violation by peer: {0}")]
+    Message(#[from] crate::proto::message::MessageError),
+
+    /// The peer of a message endpoint aborted it with `code` (0: its
+    /// application; 1 and up: it found a protocol error of ours, named by
+    /// [`MessageError::abort_code`](crate::proto::message::MessageError::abort_code)).
+    /// Maps to [`io::ErrorKind::ConnectionReset`].
+    #[error("message endpoint aborted by peer with code {code} ({reason})")]
+    PeerAborted {
+        /// The ABORT code.
+        code: u32,
+        /// What the code means.
+        reason: &'static str,
+    },
+
     /// Connecting to `addr` took longer than the configured connect timeout.
     /// Maps to [`io::ErrorKind::TimedOut`].
     #[error("connecting to {addr} timed out")]
@@ -144,7 +164,10 @@ impl Error {
             Error::ConnectionRefused { .. } | Error::HandshakeRejected { .. } => {
                 io::ErrorKind::ConnectionRefused
             }
-            Error::Handshake(_) | Error::Protocol(_) => io::ErrorKind::InvalidData,
+            Error::Handshake(_) | Error::Protocol(_) | Error::Message(_) => {
+                io::ErrorKind::InvalidData
+            }
+            Error::PeerAborted { .. } => io::ErrorKind::ConnectionReset,
             Error::TimedOut { .. } => io::ErrorKind::TimedOut,
             Error::Pool(e) => e.kind(),
             Error::InvalidConfig { .. } => io::ErrorKind::InvalidInput,

@@ -19,6 +19,7 @@
 
 pub mod config;
 pub mod error;
+mod message;
 #[allow(unsafe_code)]
 pub mod pool;
 pub mod proto;
@@ -30,6 +31,8 @@ pub mod verbs;
 
 pub use config::RdmaConfig;
 pub use error::{Error, Result};
+pub use message::{MessageConfig, MessageEndpoint, MessageListener, PostedSge};
+pub use pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes};
 pub use stats::ConnectionStats;
 pub use stream::{
     OwnedReadHalf, OwnedWriteHalf, RdmaListener, RdmaStream, ReadHalf, ReuniteError, WriteHalf,
@@ -48,5 +51,16 @@ pub mod __testing {
         private_data: &[u8],
     ) -> crate::Result<()> {
         crate::stream::raw_connect(addr, private_data).await
+    }
+
+    /// Makes `endpoint` announce a rendezvous of `len` bytes at `addr` with
+    /// `rkey`, memory it does not own (a misbehaving peer).
+    pub fn send_forged_rts(
+        endpoint: &crate::MessageEndpoint,
+        len: u64,
+        addr: u64,
+        rkey: u32,
+    ) -> std::io::Result<()> {
+        endpoint.forge_rts(len, addr, rkey)
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use bytes::buf::UninitSlice;
 use bytes::{BufMut, Bytes};
 
-use super::{FreeEntry, PoolInner, Slab};
+use super::{FreeEntry, PoolInner, RegisteredRegion, Slab};
 
 /// An owned buffer of registered pool memory: capacity = its size class,
 /// length = the bytes written so far (starts at 0).
@@ -327,5 +327,81 @@ impl fmt::Debug for PoolBytes {
             .field("len", &self.len())
             .field("lkey", &self.lkey)
             .finish()
+    }
+}
+
+/// Registered memory ready to be sent as one message without copying: a
+/// pool buffer (frozen or not) or a [`RegisteredRegion`] of user memory.
+/// Built with `From`/`Into` from [`PoolBuf`], [`PoolBytes`] and
+/// [`RegisteredRegion`]; the message endpoint keeps it until the NIC (or,
+/// for a rendezvous, the peer's RDMA READ) is done with it.
+#[derive(Debug, Clone)]
+pub enum OutgoingMessage {
+    /// Pool memory.
+    Pool(PoolBytes),
+    /// User memory registered for remote read.
+    Region(RegisteredRegion),
+}
+
+impl OutgoingMessage {
+    /// The message length, bytes.
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// True for an empty message.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Virtual address of the first byte.
+    pub fn addr(&self) -> u64 {
+        match self {
+            OutgoingMessage::Pool(b) => b.addr(),
+            OutgoingMessage::Region(r) => r.addr(),
+        }
+    }
+
+    /// Local key of the memory region holding the message.
+    pub fn lkey(&self) -> u32 {
+        match self {
+            OutgoingMessage::Pool(b) => b.lkey(),
+            OutgoingMessage::Region(r) => r.lkey(),
+        }
+    }
+
+    /// Remote key of the memory region holding the message (registered for
+    /// remote read).
+    pub fn rkey(&self) -> u32 {
+        match self {
+            OutgoingMessage::Pool(b) => b.rkey(),
+            OutgoingMessage::Region(r) => r.rkey(),
+        }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            OutgoingMessage::Pool(b) => b,
+            OutgoingMessage::Region(r) => r,
+        }
+    }
+}
+
+impl From<PoolBuf> for OutgoingMessage {
+    fn from(b: PoolBuf) -> Self {
+        OutgoingMessage::Pool(b.freeze())
+    }
+}
+
+impl From<PoolBytes> for OutgoingMessage {
+    fn from(b: PoolBytes) -> Self {
+        OutgoingMessage::Pool(b)
+    }
+}
+
+impl From<RegisteredRegion> for OutgoingMessage {
+    fn from(r: RegisteredRegion) -> Self {
+        OutgoingMessage::Region(r)
     }
 }

@@ -41,7 +41,7 @@ mod registrar;
 mod tests;
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::pin::pin;
@@ -51,7 +51,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tokio::sync::Notify;
 
-pub use buf::{PoolBuf, PoolBytes};
+pub use buf::{OutgoingMessage, PoolBuf, PoolBytes};
 pub use error::PoolError;
 pub use region::RegisteredRegion;
 pub use registrar::{Access, FakeRegistrar, Registrar, Registration};
@@ -62,6 +62,10 @@ use registrar::VerbsRegistrar;
 /// Alignment of every slab (bytes). Buffers are aligned to this or to their
 /// class size, whichever is smaller.
 const SLAB_ALIGN: usize = 4096;
+
+/// The "class" of a dedicated buffer ([`MemoryPool::alloc_any`] beyond the
+/// largest class): its slab is freed when it drops.
+const DEDICATED: usize = usize::MAX;
 
 /// What [`MemoryPool::alloc`] does when no buffer of the class is free and
 /// the bound on registered bytes forbids a new slab.
@@ -137,6 +141,11 @@ impl PoolConfig {
         self
     }
 
+    /// The exhaustion policy set by [`exhausted_policy`](Self::exhausted_policy).
+    pub fn policy(&self) -> ExhaustedPolicy {
+        self.exhausted
+    }
+
     /// What allocation does when the pool is exhausted (default
     /// [`ExhaustedPolicy::Wait`]).
     pub fn exhausted_policy(mut self, policy: ExhaustedPolicy) -> Self {
@@ -204,6 +213,8 @@ pub struct MemoryPool {
 
 pub(crate) struct PoolInner {
     registrar: Arc<dyn Registrar>,
+    /// The device of a verbs pool (`None` for other registrars).
+    device: Option<Arc<crate::verbs::rc::OpenDevice>>,
     config: PoolConfig,
     classes: Box<[Class]>,
     registered: AtomicU64,
@@ -221,6 +232,8 @@ pub(crate) struct PoolInner {
     /// notification while it is zero.
     waiters: AtomicUsize,
     notify: Notify,
+    /// Live slabs: start address -> length (for [`MemoryPool::owns`]).
+    live_slabs: Arc<Mutex<BTreeMap<usize, usize>>>,
     /// Live read-only registrations of `Bytes`/`&'static` memory keyed by
     /// (address, length).
     region_cache: Mutex<HashMap<(usize, usize), Weak<RegionInner>>>,
@@ -254,6 +267,8 @@ pub(crate) struct Slab {
     /// Buffers of this slab in the class's free list; changed only under
     /// that class's lock.
     free: AtomicUsize,
+    /// The pool's map of live slabs (start address -> length).
+    live: Arc<Mutex<BTreeMap<usize, usize>>>,
 }
 
 // SAFETY: the slab is plain heap memory; disjoint buffer ranges of it are
@@ -265,6 +280,7 @@ unsafe impl Sync for Slab {}
 
 impl Drop for Slab {
     fn drop(&mut self) {
+        lock(&self.live).remove(&(self.ptr.as_ptr() as usize));
         // SAFETY: the registration is dropped (deregistered) exactly once,
         // here, and only then the memory it covered is freed with the layout
         // it was allocated with. No buffer of the slab is alive (each held
@@ -293,16 +309,32 @@ impl MemoryPool {
         config.validate()?;
         let device =
             crate::verbs::rc::open_device(device).map_err(|e| PoolError::Device(Box::new(e)))?;
-        Self::with_registrar(VerbsRegistrar { device }, config)
+        Self::for_open_device(device, config)
     }
 
     /// A pool on an already opened device (for the crate's endpoints).
-    #[allow(dead_code)]
     pub(crate) fn for_open_device(
         device: Arc<crate::verbs::rc::OpenDevice>,
         config: PoolConfig,
     ) -> Result<MemoryPool, PoolError> {
-        Self::with_registrar(VerbsRegistrar { device }, config)
+        let mut pool = Self::with_registrar(
+            VerbsRegistrar {
+                device: Arc::clone(&device),
+            },
+            config,
+        )?;
+        if let Some(inner) = Arc::get_mut(&mut pool.inner) {
+            inner.device = Some(device);
+        }
+        Ok(pool)
+    }
+
+    /// Whether the pool registers on `device`'s protection domain.
+    pub(crate) fn is_on_device(&self, device: &Arc<crate::verbs::rc::OpenDevice>) -> bool {
+        self.inner
+            .device
+            .as_ref()
+            .is_some_and(|d| Arc::ptr_eq(d, device))
     }
 
     /// A pool registering through `registrar` (for example a
@@ -338,6 +370,7 @@ impl MemoryPool {
         Ok(MemoryPool {
             inner: Arc::new(PoolInner {
                 registrar: Arc::new(registrar),
+                device: None,
                 config,
                 classes: classes.into_boxed_slice(),
                 registered: AtomicU64::new(0),
@@ -354,6 +387,7 @@ impl MemoryPool {
                 waiters: AtomicUsize::new(0),
                 notify: Notify::new(),
                 region_cache: Mutex::new(HashMap::new()),
+                live_slabs: Arc::new(Mutex::new(BTreeMap::new())),
             }),
         })
     }
@@ -383,12 +417,49 @@ impl MemoryPool {
     /// future loses no buffer.
     pub async fn alloc(&self, len: usize) -> Result<PoolBuf, PoolError> {
         let idx = self.inner.class_index(len)?;
+        self.alloc_with(|| self.inner.try_alloc_index(idx)).await
+    }
+
+    /// Allocates a buffer for a message of `len` bytes, however large:
+    /// like [`alloc`](Self::alloc) up to the largest class, beyond it a
+    /// dedicated buffer of exactly `len` bytes (one MR of its own, counted
+    /// against `max_registered_bytes` like a slab, deregistered and freed
+    /// when the buffer drops). Exhaustion as for `alloc`.
+    ///
+    /// Errors: [`PoolError::TooLarge`] when `len` exceeds
+    /// `max_registered_bytes` (it could never be served),
+    /// [`PoolError::Exhausted`] (Error policy only),
+    /// [`PoolError::Registration`]. Cancel-safe.
+    pub async fn alloc_any(&self, len: usize) -> Result<PoolBuf, PoolError> {
+        if len <= self.inner.config.max_class {
+            return self.alloc(len).await;
+        }
+        self.inner.check_dedicated(len)?;
+        self.alloc_with(|| self.inner.try_alloc_dedicated(len))
+            .await
+    }
+
+    /// Like [`alloc_any`](Self::alloc_any) but never waits.
+    pub fn try_alloc_any(&self, len: usize) -> Result<PoolBuf, PoolError> {
+        if len <= self.inner.config.max_class {
+            return self.try_alloc(len);
+        }
+        self.inner.check_dedicated(len)?;
+        self.inner.try_alloc_dedicated(len)
+    }
+
+    /// Runs `attempt` until it does not report exhaustion, waiting for
+    /// memory to return in between (Wait policy).
+    async fn alloc_with(
+        &self,
+        attempt: impl Fn() -> Result<PoolBuf, PoolError>,
+    ) -> Result<PoolBuf, PoolError> {
         if self.inner.config.exhausted == ExhaustedPolicy::Error {
-            return self.inner.try_alloc_index(idx);
+            return attempt();
         }
         let mut waited = false;
         loop {
-            match self.inner.try_alloc_index(idx) {
+            match attempt() {
                 Err(PoolError::Exhausted { .. }) => {}
                 other => return other,
             }
@@ -398,7 +469,7 @@ impl MemoryPool {
             // by the second look, one returned after it notifies.
             let notified = pin!(self.inner.notify.notified());
             let _waiter = WaiterGuard::new(&self.inner);
-            match self.inner.try_alloc_index(idx) {
+            match attempt() {
                 Err(PoolError::Exhausted { .. }) => {}
                 other => return other,
             }
@@ -415,6 +486,27 @@ impl MemoryPool {
     pub fn try_alloc(&self, len: usize) -> Result<PoolBuf, PoolError> {
         let idx = self.inner.class_index(len)?;
         self.inner.try_alloc_index(idx)
+    }
+
+    /// Resolves the next time memory returns to the pool (a buffer freed,
+    /// a slab released). A return racing with this call can be missed, so
+    /// callers also retry after a short timeout.
+    pub(crate) async fn memory_returned(&self) {
+        let notified = pin!(self.inner.notify.notified());
+        let _waiter = WaiterGuard::new(&self.inner);
+        notified.await;
+    }
+
+    /// Whether the `len` bytes at `ptr` lie inside one slab this pool has
+    /// registered now: how a caller (or a test) proves that a received
+    /// message sits in pool memory the NIC wrote, not in a copy.
+    pub fn owns(&self, ptr: *const u8, len: usize) -> bool {
+        let start = ptr as usize;
+        let slabs = lock(&self.inner.live_slabs);
+        slabs
+            .range(..=start)
+            .next_back()
+            .is_some_and(|(&s, &l)| start.checked_add(len).is_some_and(|end| end <= s + l))
     }
 
     /// A snapshot of the pool's counters.
@@ -521,6 +613,17 @@ impl PoolInner {
 
     /// Returns a buffer to its class's free list and wakes waiters.
     fn give_back(&self, idx: usize, entry: FreeEntry) {
+        if idx == DEDICATED {
+            let bytes = entry.slab.layout.size() as u64;
+            // The only Arc of a dedicated slab: deregistered and freed here,
+            // before the bound is lowered.
+            drop(entry);
+            self.registered.fetch_sub(bytes, Ordering::SeqCst);
+            self.slabs.fetch_sub(1, Ordering::Relaxed);
+            self.in_use.fetch_sub(bytes, Ordering::Relaxed);
+            self.wake_waiters();
+            return;
+        }
         let class = &self.classes[idx];
         {
             let mut free = lock(&class.free);
@@ -544,6 +647,18 @@ impl PoolInner {
     /// releasing fully free slabs of other classes when the bound is hit.
     fn reserve(&self, idx: usize) -> Result<(), PoolError> {
         let bytes = self.classes[idx].slab_bytes as u64;
+        self.reserve_bytes(bytes, Some(idx), self.classes[idx].size)
+    }
+
+    /// Reserves `bytes` of the registration bound, releasing fully free
+    /// slabs of classes other than `except` when the bound is hit; `class`
+    /// names the request in the error.
+    fn reserve_bytes(
+        &self,
+        bytes: u64,
+        except: Option<usize>,
+        class: usize,
+    ) -> Result<(), PoolError> {
         let max = self.config.max_registered_bytes;
         let mut cur = self.registered.load(Ordering::SeqCst);
         loop {
@@ -558,9 +673,9 @@ impl PoolInner {
                     Err(now) => cur = now,
                 }
             } else {
-                if !self.reclaim(cur + bytes - max, idx) {
+                if !self.reclaim(cur + bytes - max, except) {
                     return Err(PoolError::Exhausted {
-                        class: self.classes[idx].size,
+                        class,
                         max_registered_bytes: max,
                     });
                 }
@@ -572,11 +687,11 @@ impl PoolInner {
     /// Deregisters and frees slabs of classes other than `except` none of
     /// whose buffers is in use, until at least `need` bytes are released or
     /// none is left. Returns whether anything was released.
-    fn reclaim(&self, need: u64, except: usize) -> bool {
+    fn reclaim(&self, need: u64, except: Option<usize>) -> bool {
         let mut released = 0u64;
         let mut count = 0u64;
         for (i, class) in self.classes.iter().enumerate() {
-            if i == except || released >= need {
+            if Some(i) == except || released >= need {
                 continue;
             }
             let removed: Vec<FreeEntry> = {
@@ -621,7 +736,64 @@ impl PoolInner {
     /// returns the first.
     fn new_slab(&self, idx: usize) -> Result<FreeEntry, PoolError> {
         let class = &self.classes[idx];
-        let len = class.slab_bytes;
+        let slab = self.register_slab(class.slab_bytes, class.per_slab)?;
+        let first = FreeEntry {
+            slab: Arc::clone(&slab),
+            offset: 0,
+        };
+        if class.per_slab > 1 {
+            let mut free = lock(&class.free);
+            // Highest offsets first so `pop` hands out ascending addresses.
+            for i in (1..class.per_slab).rev() {
+                free.push(FreeEntry {
+                    slab: Arc::clone(&slab),
+                    offset: i * class.size,
+                });
+            }
+            slab.free.fetch_add(class.per_slab - 1, Ordering::Relaxed);
+        }
+        Ok(first)
+    }
+
+    /// `len` (page-rounded) must fit the bound.
+    fn check_dedicated(&self, len: usize) -> Result<(), PoolError> {
+        let bytes = len.div_ceil(SLAB_ALIGN).saturating_mul(SLAB_ALIGN) as u64;
+        if bytes > self.config.max_registered_bytes {
+            return Err(PoolError::TooLarge {
+                len,
+                max_class: self.config.max_registered_bytes as usize,
+            });
+        }
+        Ok(())
+    }
+
+    /// A dedicated buffer of `len` bytes (its slab rounded up to a page).
+    fn try_alloc_dedicated(self: &Arc<Self>, len: usize) -> Result<PoolBuf, PoolError> {
+        let bytes = len.div_ceil(SLAB_ALIGN).max(1) * SLAB_ALIGN;
+        self.reserve_bytes(bytes as u64, None, len)?;
+        let slab = match self.register_slab(bytes, 1) {
+            Ok(s) => s,
+            Err(e) => {
+                self.registered.fetch_sub(bytes as u64, Ordering::SeqCst);
+                self.wake_waiters();
+                return Err(e);
+            }
+        };
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        self.allocations.fetch_add(1, Ordering::Relaxed);
+        let now = self.in_use.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        self.high_water.fetch_max(now, Ordering::Relaxed);
+        Ok(PoolBuf::new(
+            Arc::clone(self),
+            DEDICATED,
+            len,
+            FreeEntry { slab, offset: 0 },
+        ))
+    }
+
+    /// Allocates and registers (read-write) `len` zeroed bytes as a slab of
+    /// `nbufs` buffers, none of them in a free list yet.
+    fn register_slab(&self, len: usize, nbufs: usize) -> Result<Arc<Slab>, PoolError> {
         let layout =
             Layout::from_size_align(len, SLAB_ALIGN).map_err(|e| PoolError::Registration {
                 len,
@@ -644,28 +816,14 @@ impl PoolInner {
             }
         };
         self.slabs.fetch_add(1, Ordering::Relaxed);
-        let slab = Arc::new(Slab {
+        lock(&self.live_slabs).insert(ptr.as_ptr() as usize, len);
+        Ok(Arc::new(Slab {
             reg: ManuallyDrop::new(reg),
             ptr,
             layout,
-            nbufs: class.per_slab,
+            nbufs,
             free: AtomicUsize::new(0),
-        });
-        let first = FreeEntry {
-            slab: Arc::clone(&slab),
-            offset: 0,
-        };
-        if class.per_slab > 1 {
-            let mut free = lock(&class.free);
-            // Highest offsets first so `pop` hands out ascending addresses.
-            for i in (1..class.per_slab).rev() {
-                free.push(FreeEntry {
-                    slab: Arc::clone(&slab),
-                    offset: i * class.size,
-                });
-            }
-            slab.free.fetch_add(class.per_slab - 1, Ordering::Relaxed);
-        }
-        Ok(first)
+            live: Arc::clone(&self.live_slabs),
+        }))
     }
 }

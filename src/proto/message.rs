@@ -420,6 +420,32 @@ impl MessageError {
     }
 }
 
+/// What an ABORT code means: `"application"` for 0, the
+/// [`MessageError`] variant's description for 1..=16 (see
+/// [`MessageError::abort_code`]), `"unknown"` otherwise.
+pub fn abort_code_reason(code: u32) -> &'static str {
+    match code {
+        ABORT_CODE_APPLICATION => "application",
+        1 => "malformed immediate",
+        2 => "unknown message type",
+        3 => "eager message too long",
+        4 => "malformed RTS",
+        5 => "announced message length out of range",
+        6 => "RTS buffer wraps the address space",
+        7 => "too many rendezvous in flight",
+        8 => "bad sequence number",
+        9 => "unexpected DONE",
+        10 => "control message with payload",
+        11 => "credit overflow",
+        12 => "receive overrun",
+        13 => "message after abort",
+        14 => "completion for unknown work request",
+        15 => "destination not requested",
+        16 => "invalid parameters",
+        _ => "unknown",
+    }
+}
+
 /// Why [`MessageCore::send`] refuses a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

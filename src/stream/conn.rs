@@ -43,7 +43,7 @@ pub(crate) struct ConnError {
 }
 
 impl ConnError {
-    fn new(kind: io::ErrorKind, msg: impl Into<String>) -> Self {
+    pub(crate) fn new(kind: io::ErrorKind, msg: impl Into<String>) -> Self {
         ConnError {
             kind,
             msg: msg.into(),
@@ -571,9 +571,9 @@ impl Conn {
 }
 
 /// What the handshake hands to [`spawn`].
-pub(crate) struct Established {
+pub(crate) struct Established<Q = RcQueuePair> {
     pub id: CmId,
-    pub qp: RcQueuePair,
+    pub qp: Q,
     pub peer: Hello,
     pub device: String,
     /// Reported as the local/peer address if rdma_cm cannot say.

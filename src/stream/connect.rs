@@ -22,8 +22,9 @@ const IB_CM_REJ_CONSUMER_DEFINED: i32 = 28;
 pub(crate) trait Setup: Clone + Send + Sync + 'static {
     /// What a finished handshake yields.
     type Out: Send + 'static;
-    /// Resources made ready before the QP exists (for example pool buffers).
-    type Prep: Send + 'static;
+    /// The queue pair with whatever the endpoint keeps beside it (for
+    /// example the receive buffers posted to it).
+    type Qp: AsMut<RcQueuePair> + Send + 'static;
     /// The endpoint kind both sides must announce.
     const KIND: EndpointKind;
     /// Connection settings (timeouts, device, backlog).
@@ -35,15 +36,17 @@ pub(crate) trait Setup: Clone + Send + Sync + 'static {
     fn read_depth(&self) -> u8 {
         1
     }
-    /// Makes resources ready on the device the connection resolved to.
+    /// Makes resources ready on the device the connection resolved to and
+    /// wraps the new QP (in RESET) with them.
     fn prepare(
         &self,
         device: &Arc<OpenDevice>,
-    ) -> impl std::future::Future<Output = Result<Self::Prep>> + Send;
+        qp: RcQueuePair,
+    ) -> impl std::future::Future<Output = Result<Self::Qp>> + Send;
     /// The QP is in INIT: post receives and return this side's `Hello`.
-    fn on_init(&self, qp: &mut RcQueuePair, prep: &mut Self::Prep) -> Result<Hello>;
+    fn on_init(&self, qp: &mut Self::Qp) -> Result<Hello>;
     /// The connection is established: start its runtime.
-    fn finish(&self, est: Established, prep: Self::Prep) -> Result<Self::Out>;
+    fn finish(&self, est: Established<Self::Qp>) -> Result<Self::Out>;
 }
 
 /// The byte stream's [`Setup`].
@@ -52,7 +55,7 @@ pub(crate) struct StreamSetup(pub(crate) RdmaConfig);
 
 impl Setup for StreamSetup {
     type Out = Arc<Conn>;
-    type Prep = ();
+    type Qp = RcQueuePair;
     const KIND: EndpointKind = EndpointKind::ByteStream;
     fn rdma(&self) -> &RdmaConfig {
         &self.0
@@ -60,14 +63,14 @@ impl Setup for StreamSetup {
     fn sizes(&self) -> RcSizes {
         conn::rc_sizes(&self.0)
     }
-    async fn prepare(&self, _device: &Arc<OpenDevice>) -> Result<()> {
-        Ok(())
+    async fn prepare(&self, _device: &Arc<OpenDevice>, qp: RcQueuePair) -> Result<RcQueuePair> {
+        Ok(qp)
     }
-    fn on_init(&self, qp: &mut RcQueuePair, _prep: &mut ()) -> Result<Hello> {
+    fn on_init(&self, qp: &mut RcQueuePair) -> Result<Hello> {
         qp.post_recvs(self.0.recv_queue_depth.into())?;
         Ok(conn::local_hello(qp, &self.0))
     }
-    fn finish(&self, est: Established, _prep: ()) -> Result<Arc<Conn>> {
+    fn finish(&self, est: Established) -> Result<Arc<Conn>> {
         conn::spawn(est, &self.0)
     }
 }
@@ -156,11 +159,12 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> 
     })?;
     expect(&channel, addr, CmEventKind::RouteResolved).await?;
 
-    let (dev, mut qp, device) = conn::new_qp(&id, cfg, setup.sizes())?;
-    let mut prep = setup.prepare(&dev).await?;
-    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
-    let hello = setup.on_init(&mut qp, &mut prep)?;
-    id.connect(qp.qp_num(), &hello.encode(), setup.read_depth())?;
+    let (dev, qp, device) = conn::new_qp(&id, cfg, setup.sizes())?;
+    let mut qp = setup.prepare(&dev, qp).await?;
+    qp.as_mut()
+        .modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
+    let hello = setup.on_init(&mut qp)?;
+    id.connect(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
     let ev = expect(&channel, addr, CmEventKind::ConnectResponse).await?;
     let peer = match Hello::decode(&ev.private_data).and_then(|h| h.expect_kind(S::KIND)) {
         Ok(h) => h,
@@ -175,20 +179,18 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> 
     // Before the reply, rdma_cm's INIT attributes carry no remote access
     // rights; re-apply INIT with the attributes of the now-known connection
     // (what librdmacm's own ucma_modify_qp_rtr does), then RTR and RTS.
-    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
-    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTR)?;
-    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTS)?;
+    let rc = qp.as_mut();
+    rc.modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
+    rc.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTR)?;
+    rc.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTS)?;
     id.establish()?;
-    setup.finish(
-        Established {
-            id,
-            qp,
-            peer,
-            device,
-            fallback_addr: addr,
-        },
-        prep,
-    )
+    setup.finish(Established {
+        id,
+        qp,
+        peer,
+        device,
+        fallback_addr: addr,
+    })
 }
 
 /// Test hook: a connect request with arbitrary private data. `Ok(())` if the

@@ -245,24 +245,22 @@ async fn accept_one<S: Setup>(
     let channel = EventChannel::new()?;
     id.migrate(&channel)?;
     let prepared = match conn::new_qp(&id, cfg, setup.sizes()) {
-        Ok((dev, qp, device)) => match setup.prepare(&dev).await {
-            Ok(prep) => Ok((qp, device, prep)),
-            Err(e) => Err(e),
-        },
+        Ok((dev, qp, device)) => setup.prepare(&dev, qp).await.map(|qp| (qp, device)),
         Err(e) => Err(e),
     };
-    let (mut qp, device, mut prep) = match prepared {
+    let (mut qp, device) = match prepared {
         Ok(x) => x,
         Err(e) => {
             let _ = id.reject(&encode_reject(RejectReason::ServerResources));
             return Err(e);
         }
     };
-    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
-    let hello = setup.on_init(&mut qp, &mut prep)?;
-    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTR)?;
-    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTS)?;
-    id.accept(qp.qp_num(), &hello.encode(), setup.read_depth())?;
+    qp.as_mut()
+        .modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
+    let hello = setup.on_init(&mut qp)?;
+    qp.as_mut().modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTR)?;
+    qp.as_mut().modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTS)?;
+    id.accept(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
     let ev = tokio::time::timeout(cfg.connect_timeout, channel.next())
         .await
         .map_err(|_| Error::TimedOut {
@@ -278,15 +276,12 @@ async fn accept_one<S: Setup>(
     }
     let peer_addr = id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into());
     setup
-        .finish(
-            Established {
-                id,
-                qp,
-                peer,
-                device,
-                fallback_addr: ([0, 0, 0, 0], 0).into(),
-            },
-            prep,
-        )
+        .finish(Established {
+            id,
+            qp,
+            peer,
+            device,
+            fallback_addr: ([0, 0, 0, 0], 0).into(),
+        })
         .map(|out| Some((out, peer_addr)))
 }

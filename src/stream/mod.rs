@@ -1,7 +1,7 @@
 //! `RdmaStream` and `RdmaListener`: byte streams over RC queue pairs that
 //! behave like tokio's `TcpStream` and `TcpListener`.
 
-mod conn;
+pub(crate) mod conn;
 pub(crate) mod connect;
 pub(crate) mod listener;
 mod split;

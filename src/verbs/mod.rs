@@ -15,6 +15,7 @@
 
 pub(crate) mod cm;
 pub mod device;
+pub(crate) mod msg;
 pub(crate) mod rc;
 
 pub use device::{

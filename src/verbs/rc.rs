@@ -37,6 +37,8 @@ use crate::error::{Error, Result};
 
 /// An opened device with the protection domain every connection on it shares.
 pub(crate) struct OpenDevice {
+    /// The device name, for example `rxe0`.
+    pub(crate) name: String,
     pub(crate) pd: Arc<ProtectionDomain>,
     pub(crate) ctx: Arc<DeviceContext>,
 }
@@ -65,7 +67,11 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         op: "ibv_alloc_pd",
         source: io::Error::other(e),
     })?;
-    let d = Arc::new(OpenDevice { pd, ctx });
+    let d = Arc::new(OpenDevice {
+        name: name.to_string(),
+        pd,
+        ctx,
+    });
     map.insert(name.to_string(), Arc::clone(&d));
     Ok(d)
 }
@@ -620,6 +626,12 @@ impl RcQueuePair {
     /// The completion channel's fd, to await readiness without the lock.
     pub(crate) fn cq_events(&self) -> Arc<CqEventFd> {
         Arc::clone(&self.events)
+    }
+}
+
+impl AsMut<RcQueuePair> for RcQueuePair {
+    fn as_mut(&mut self) -> &mut RcQueuePair {
+        self
     }
 }
 

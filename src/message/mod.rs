@@ -1,0 +1,577 @@
+//! Zero-copy messages over RC queue pairs: [`MessageEndpoint`] and
+//! [`MessageListener`].
+//!
+//! Payloads travel between registered buffers only. A message of at most
+//! `eager_max` bytes (the smaller of the two sides' [`MessageConfig::eager_buf_len`])
+//! is one SEND WITH IMMEDIATE from the sender's buffer (inline under the
+//! inline threshold) into a pool buffer the receiver pre-posted; a larger one
+//! goes by rendezvous: the sender announces its buffer (address, length,
+//! rkey) and the receiver RDMA READs it straight into a destination it
+//! allocated from its [`MemoryPool`], so a message is limited only by memory.
+//! [`MessageEndpoint::recv`] hands out that very buffer as a [`PoolBytes`]
+//! (derefs to `[u8]`, converts into [`bytes::Bytes`] without copying).
+//! The wire protocol, credits and its deadlock argument are in
+//! [`proto::message`](crate::proto::message).
+//!
+//! # Ports
+//!
+//! A message listener has a port of its own, like a second `TcpListener`:
+//! the handshake carries the endpoint kind, and a stream client that reaches
+//! a message listener (or the reverse) is rejected with
+//! [`RejectReason::KindMismatch`](crate::proto::handshake::RejectReason::KindMismatch),
+//! so a mix-up is a clear error rather than garbage. Sharing one port would
+//! need one listener to hand out two kinds of connection, which neither
+//! `TcpListener`-style API can express.
+//!
+//! # Closing
+//!
+//! The message protocol has no FIN: dropping every handle waits (up to
+//! [`RdmaConfig::linger`](crate::RdmaConfig::linger)) until every message
+//! sent was taken by the peer's NIC (an eager SEND acknowledged, a
+//! rendezvous READ by the peer), then disconnects. The peer then receives
+//! what arrived and `None` (end of stream). A peer that vanishes in the
+//! middle of a rendezvous is an error, not an end.
+
+mod conn;
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll};
+
+use futures::{Sink, Stream};
+use tokio::net::ToSocketAddrs;
+
+use crate::config::RdmaConfig;
+use crate::error::{Error, Result};
+use crate::pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolConfig};
+use crate::proto::handshake::{EndpointKind, Hello};
+use crate::proto::message::{
+    MAX_MESSAGE_LEN, MessageCore, MessageError, MessageParams, RTS_HEADER_LEN,
+};
+use crate::stream::conn::Established;
+use crate::stream::connect::{self, Setup};
+use crate::stream::listener::Listener;
+use crate::verbs::cm::CmId;
+use crate::verbs::msg::MessageQp;
+use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
+
+pub use crate::verbs::msg::PostedSge;
+use conn::MsgConn;
+
+/// Settings of a message endpoint. `Default` gives the values documented
+/// on each setter.
+#[derive(Debug, Clone)]
+pub struct MessageConfig {
+    pub(crate) rdma: RdmaConfig,
+    pub(crate) eager_buf_len: u32,
+    pub(crate) max_message_len: u64,
+    pub(crate) max_read_len: u32,
+    pub(crate) max_rendezvous_in_flight: u16,
+    pub(crate) send_queue_limit: usize,
+    pub(crate) pool: Option<MemoryPool>,
+}
+
+impl Default for MessageConfig {
+    fn default() -> Self {
+        MessageConfig {
+            rdma: RdmaConfig::default(),
+            eager_buf_len: 4096,
+            max_message_len: 1 << 30,
+            max_read_len: 1 << 20,
+            max_rendezvous_in_flight: 8,
+            send_queue_limit: 256,
+            pool: None,
+        }
+    }
+}
+
+impl MessageConfig {
+    /// A config with the default values.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Connection settings shared with streams: timeouts, device, backlog,
+    /// linger, `send_queue_depth` (send WRs), `recv_queue_depth` (receive
+    /// buffers kept posted, 4..=1023), `inline_threshold` (eager messages of
+    /// at most this many bytes are copied into the WQE) and
+    /// `signal_interval`. The ring and send-buffer sizes are not used.
+    pub fn connection(mut self, rdma: RdmaConfig) -> Self {
+        self.rdma = rdma;
+        self
+    }
+
+    /// Bytes of each pre-posted receive buffer (default 4096). Messages up
+    /// to the smaller of both sides' value go eagerly; larger ones by
+    /// rendezvous. At least 20 (an RTS header) and at most the pool's
+    /// largest class. Receive memory per connection is
+    /// `recv_queue_depth * eager_buf_len` (default 128 * 4 KiB = 512 KiB).
+    pub fn eager_buf_len(mut self, bytes: u32) -> Self {
+        self.eager_buf_len = bytes;
+        self
+    }
+
+    /// Largest message sent or accepted, bytes (default 1 GiB, at most
+    /// 2^48). A larger send fails with `InvalidInput`; a peer announcing a
+    /// larger one is a protocol error (the endpoint aborts).
+    pub fn max_message_len(mut self, bytes: u64) -> Self {
+        self.max_message_len = bytes;
+        self
+    }
+
+    /// Largest RDMA READ of a rendezvous, bytes (default 1 MiB, at most
+    /// 2^31); larger messages are read in chunks of this size.
+    pub fn max_read_len(mut self, bytes: u32) -> Self {
+        self.max_read_len = bytes;
+        self
+    }
+
+    /// Rendezvous outstanding per direction (default 8).
+    pub fn max_rendezvous_in_flight(mut self, n: u16) -> Self {
+        self.max_rendezvous_in_flight = n;
+        self
+    }
+
+    /// Messages queued behind credit before `send` waits (default 256; at
+    /// least 1).
+    pub fn send_queue_limit(mut self, messages: usize) -> Self {
+        self.send_queue_limit = messages;
+        self
+    }
+
+    /// The pool receive buffers and rendezvous destinations come from
+    /// (default: one pool per device with [`PoolConfig::default`], shared by
+    /// every endpoint on it: [`MessageEndpoint::pool`] returns it). Must be
+    /// on the device the connection runs on.
+    pub fn pool(mut self, pool: MemoryPool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    fn params(
+        &self,
+        peer_eager_buf_len: u32,
+        peer_recv_depth: u16,
+        max_inline: u32,
+    ) -> MessageParams {
+        MessageParams {
+            recv_depth: self.rdma.recv_queue_depth,
+            peer_recv_depth,
+            eager_buf_len: self.eager_buf_len,
+            peer_eager_buf_len,
+            eager_max: self.eager_buf_len.min(peer_eager_buf_len),
+            inline_threshold: self.rdma.inline_threshold.min(max_inline),
+            send_queue_depth: self.rdma.send_queue_depth,
+            max_read_len: self.max_read_len,
+            max_message_len: self.max_message_len,
+            max_rendezvous_in_flight: self.max_rendezvous_in_flight,
+            signal_interval: self.rdma.signal_interval,
+        }
+    }
+
+    /// Checks every value (as if the peer used the same ones).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the first value out of range.
+    pub fn validate(&self) -> Result<()> {
+        self.rdma.validate()?;
+        if self.eager_buf_len < RTS_HEADER_LEN as u32 {
+            return Err(Error::InvalidConfig {
+                field: "eager_buf_len",
+                value: self.eager_buf_len.into(),
+                allowed: "20..=the pool's largest class, bytes",
+            });
+        }
+        if self.max_message_len > MAX_MESSAGE_LEN {
+            return Err(Error::InvalidConfig {
+                field: "max_message_len",
+                value: self.max_message_len,
+                allowed: "1..=2^48 bytes",
+            });
+        }
+        if self.send_queue_limit == 0 {
+            return Err(Error::InvalidConfig {
+                field: "send_queue_limit",
+                value: 0,
+                allowed: "at least 1 message",
+            });
+        }
+        let p = self.params(
+            self.eager_buf_len,
+            self.rdma.recv_queue_depth,
+            self.rdma.inline_threshold,
+        );
+        match MessageCore::new(p) {
+            Ok(_) => Ok(()),
+            Err(MessageError::InvalidParams {
+                name,
+                value,
+                allowed,
+            }) => Err(Error::InvalidConfig {
+                field: name,
+                value,
+                allowed,
+            }),
+            Err(e) => Err(Error::Message(e)),
+        }
+    }
+}
+
+/// The default pool of each device (see [`MessageConfig::pool`]).
+fn device_pool(device: &Arc<OpenDevice>) -> Result<MemoryPool> {
+    static POOLS: OnceLock<Mutex<std::collections::HashMap<String, MemoryPool>>> = OnceLock::new();
+    let mut map = POOLS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(p) = map.get(&device.name) {
+        return Ok(p.clone());
+    }
+    let pool = MemoryPool::for_open_device(Arc::clone(device), PoolConfig::default())?;
+    map.insert(device.name.clone(), pool.clone());
+    Ok(pool)
+}
+
+/// The message endpoint's [`Setup`] for the shared handshake.
+#[derive(Clone)]
+struct MessageSetup(MessageConfig);
+
+/// The QP (owning its posted receive buffers) and the pool they came from.
+struct PreparedQp {
+    qp: MessageQp,
+    pool: MemoryPool,
+    /// Receive buffers to post once the QP is in INIT.
+    recv: Vec<PoolBuf>,
+}
+
+impl AsMut<RcQueuePair> for PreparedQp {
+    fn as_mut(&mut self) -> &mut RcQueuePair {
+        self.qp.as_mut()
+    }
+}
+
+impl Setup for MessageSetup {
+    type Out = Arc<MsgConn>;
+    type Qp = PreparedQp;
+    const KIND: EndpointKind = EndpointKind::Message;
+
+    fn rdma(&self) -> &RdmaConfig {
+        &self.0.rdma
+    }
+
+    fn sizes(&self) -> RcSizes {
+        let r = &self.0.rdma;
+        RcSizes {
+            send_depth: r.send_queue_depth.into(),
+            recv_depth: r.recv_queue_depth.into(),
+            max_inline: r.inline_threshold,
+            send_buf: MessageQp::scratch_len(r.send_queue_depth),
+            recv_ring: 0,
+        }
+    }
+
+    fn read_depth(&self) -> u8 {
+        CmId::READ_DEPTH_MAX
+    }
+
+    async fn prepare(&self, device: &Arc<OpenDevice>, qp: RcQueuePair) -> Result<PreparedQp> {
+        let pool = match &self.0.pool {
+            Some(p) => {
+                if !p.is_on_device(device) {
+                    return Err(Error::InvalidConfig {
+                        field: "pool",
+                        value: 0,
+                        allowed: "a MemoryPool on the connection's device",
+                    });
+                }
+                p.clone()
+            }
+            None => device_pool(device)?,
+        };
+        let len = self.0.eager_buf_len as usize;
+        if pool.class_size(len).is_err() {
+            return Err(Error::InvalidConfig {
+                field: "eager_buf_len",
+                value: len as u64,
+                allowed: "20..=the pool's largest class, bytes",
+            });
+        }
+        let mut recv = Vec::with_capacity(self.0.rdma.recv_queue_depth.into());
+        for _ in 0..self.0.rdma.recv_queue_depth {
+            recv.push(pool.alloc(len).await?);
+        }
+        Ok(PreparedQp {
+            qp: MessageQp::new(qp, self.0.rdma.send_queue_depth),
+            pool,
+            recv,
+        })
+    }
+
+    fn on_init(&self, qp: &mut PreparedQp) -> Result<Hello> {
+        let bufs = std::mem::take(&mut qp.recv);
+        // Tokens 1..=recv_queue_depth; the runtime counts on from there.
+        qp.qp
+            .post_recvs(bufs.into_iter().zip(1u64..).map(|(b, t)| (t, b)).collect())?;
+        Ok(Hello {
+            kind: EndpointKind::Message,
+            ring_addr: 0,
+            ring_rkey: 0,
+            ring_len: self.0.eager_buf_len,
+            recv_depth: self.0.rdma.recv_queue_depth,
+        })
+    }
+
+    fn finish(&self, est: Established<PreparedQp>) -> Result<Arc<MsgConn>> {
+        let max_inline = est.qp.qp.qp_ref().max_inline();
+        let params = self
+            .0
+            .params(est.peer.ring_len, est.peer.recv_depth, max_inline);
+        let core = MessageCore::new(params)?;
+        conn::spawn(est, core, &self.0)
+    }
+}
+
+/// A connected zero-copy message endpoint (see the [module docs](self)).
+///
+/// Cheap to clone: clones share the connection, which closes when the last
+/// one drops. [`send`](Self::send) and [`recv`](Self::recv) take `&self`, so
+/// one task may send while another receives. Implements [`Stream`] of
+/// received messages and [`Sink`] of [`OutgoingMessage`]s.
+pub struct MessageEndpoint {
+    conn: conn::Handle,
+}
+
+impl std::fmt::Debug for MessageEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MessageEndpoint")
+            .field("local_addr", &self.conn.local_addr)
+            .field("peer_addr", &self.conn.peer_addr)
+            .field("qp_num", &self.conn.qp_num)
+            .finish()
+    }
+}
+
+impl Clone for MessageEndpoint {
+    fn clone(&self) -> Self {
+        MessageEndpoint {
+            conn: self.conn.another(),
+        }
+    }
+}
+
+impl MessageEndpoint {
+    /// Connects to a [`MessageListener`] at `addr` with the default
+    /// [`MessageConfig`].
+    ///
+    /// # Errors
+    /// As [`RdmaStream::connect`](crate::RdmaStream::connect); a stream
+    /// listener at `addr` rejects the handshake (`ConnectionRefused`,
+    /// [`Error::HandshakeRejected`] with `KindMismatch`).
+    pub async fn connect<A: ToSocketAddrs>(addr: A) -> io::Result<MessageEndpoint> {
+        Self::connect_with(addr, &MessageConfig::default()).await
+    }
+
+    /// Connects with `config`. Errors as for [`connect`](Self::connect), and
+    /// `InvalidInput` ([`Error::InvalidConfig`]) for a bad config.
+    pub async fn connect_with<A: ToSocketAddrs>(
+        addr: A,
+        config: &MessageConfig,
+    ) -> io::Result<MessageEndpoint> {
+        config.validate()?;
+        let conn = connect::connect_any(addr, &MessageSetup(config.clone())).await?;
+        Ok(MessageEndpoint {
+            conn: conn::Handle::first(conn),
+        })
+    }
+
+    /// Queues `msg` for sending, without copying its payload: the NIC reads
+    /// it from its registered memory (an eager SEND, or the peer's RDMA READ
+    /// for a rendezvous). Waits while `send_queue_limit` messages are
+    /// queued behind the peer's credit. The message's memory is released
+    /// once the peer has it.
+    ///
+    /// # Errors
+    /// `InvalidInput` for a message longer than `max_message_len`;
+    /// `ConnectionReset` / `BrokenPipe` once the connection failed or the
+    /// peer closed; `InvalidData` after a protocol violation.
+    pub async fn send(&self, msg: impl Into<OutgoingMessage>) -> io::Result<()> {
+        let msg = msg.into();
+        std::future::poll_fn(|cx| self.conn.poll_send_ready(cx)).await?;
+        self.conn.start_send(msg)
+    }
+
+    /// Copies `data` into a pool buffer and sends it (for callers whose data
+    /// is not in registered memory; the copy is the only one).
+    ///
+    /// # Errors
+    /// Those of [`send`](Self::send) and of [`MemoryPool::alloc_any`].
+    pub async fn send_copy(&self, data: &[u8]) -> io::Result<()> {
+        let mut buf = self.pool().alloc_any(data.len()).await?;
+        buf.spare_mut()[..data.len()].copy_from_slice(data);
+        buf.set_len(data.len());
+        self.send(buf).await
+    }
+
+    /// Waits until every message sent so far is done: taken by the peer's
+    /// NIC (an eager message acknowledged, a rendezvous read and confirmed).
+    ///
+    /// # Errors
+    /// As for [`send`](Self::send).
+    pub async fn flush(&self) -> io::Result<()> {
+        std::future::poll_fn(|cx| self.conn.poll_flush(cx)).await
+    }
+
+    /// The next message, in send order: `Ok(None)` once the peer closed and
+    /// every message was taken. The message lies in pool memory the NIC
+    /// wrote (no copy); dropping it returns that memory to the pool.
+    /// Cancel-safe.
+    ///
+    /// # Errors
+    /// `ConnectionReset` when the peer vanished or aborted (messages not yet
+    /// complete are lost, those complete before were delivered);
+    /// `InvalidData` when the peer broke the protocol (for example announced
+    /// a message above `max_message_len`).
+    pub async fn recv(&self) -> io::Result<Option<PoolBytes>> {
+        std::future::poll_fn(|cx| self.conn.poll_recv(cx)).await
+    }
+
+    /// Aborts the endpoint: queued and unfinished messages are dropped and
+    /// the peer sees `ConnectionReset` ([`Error::PeerAborted`], code 0).
+    pub fn abort(&self) {
+        self.conn.abort();
+    }
+
+    /// The pool this endpoint's receive buffers come from; allocate send
+    /// buffers from it so they are registered on the right device.
+    pub fn pool(&self) -> &MemoryPool {
+        &self.conn.pool
+    }
+
+    /// The local address (IP and rdma_cm port).
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        Ok(self.conn.local_addr)
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        Ok(self.conn.peer_addr)
+    }
+
+    /// The local queue pair number.
+    pub fn qp_num(&self) -> u32 {
+        self.conn.qp_num
+    }
+
+    /// The RDMA device, for example `rxe0`.
+    pub fn device(&self) -> &str {
+        &self.conn.device
+    }
+
+    /// A snapshot of the endpoint's counters (see
+    /// [`MessageStats`](crate::proto::message::MessageStats)).
+    pub fn stats(&self) -> crate::proto::message::MessageStats {
+        self.conn.stats()
+    }
+
+    #[cfg(feature = "guest-tests")]
+    pub(crate) fn forge_rts(&self, len: u64, addr: u64, rkey: u32) -> io::Result<()> {
+        self.conn.send_forged_rts(len, addr, rkey)
+    }
+
+    /// The SGE of the last SEND with payload or READ this endpoint posted
+    /// (for zero-copy checks).
+    #[doc(hidden)]
+    pub fn last_posted_sge(&self) -> Option<PostedSge> {
+        self.conn.last_sge()
+    }
+}
+
+impl Stream for MessageEndpoint {
+    type Item = io::Result<PoolBytes>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.conn.poll_recv(cx).map(Result::transpose)
+    }
+}
+
+impl<M: Into<OutgoingMessage>> Sink<M> for MessageEndpoint {
+    type Error = io::Error;
+
+    fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.conn.poll_send_ready(cx)
+    }
+
+    fn start_send(self: Pin<&mut Self>, item: M) -> io::Result<()> {
+        self.conn.start_send(item.into())
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.conn.poll_flush(cx)
+    }
+
+    /// Flushes; the connection closes when the last handle drops.
+    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.conn.poll_flush(cx)
+    }
+}
+
+/// Listens for [`MessageEndpoint`] connections, like
+/// [`RdmaListener`](crate::RdmaListener) (same backlog, handshake and
+/// cancel-safe `accept`).
+pub struct MessageListener {
+    inner: Listener<MessageSetup>,
+}
+
+impl std::fmt::Debug for MessageListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MessageListener")
+            .field("local_addr", &self.inner.local_addr())
+            .finish()
+    }
+}
+
+impl MessageListener {
+    /// Binds with the default [`MessageConfig`].
+    ///
+    /// # Errors
+    /// As [`RdmaListener::bind`](crate::RdmaListener::bind).
+    pub async fn bind<A: ToSocketAddrs>(addr: A) -> io::Result<MessageListener> {
+        Self::bind_with(addr, &MessageConfig::default()).await
+    }
+
+    /// Binds with `config`, which every accepted endpoint uses. Errors as
+    /// for [`bind`](Self::bind), and `InvalidInput` for a bad config.
+    pub async fn bind_with<A: ToSocketAddrs>(
+        addr: A,
+        config: &MessageConfig,
+    ) -> io::Result<MessageListener> {
+        config.validate()?;
+        let inner = Listener::bind(addr, MessageSetup(config.clone())).await?;
+        Ok(MessageListener { inner })
+    }
+
+    /// Waits for the next established endpoint and its peer's address.
+    /// Cancel-safe.
+    ///
+    /// # Errors
+    /// An error of the listening rdma_cm id itself.
+    pub async fn accept(&self) -> io::Result<(MessageEndpoint, SocketAddr)> {
+        std::future::poll_fn(|cx| self.inner.poll_accept(cx))
+            .await
+            .map(|(c, a)| {
+                (
+                    MessageEndpoint {
+                        conn: conn::Handle::first(c),
+                    },
+                    a,
+                )
+            })
+    }
+
+    /// The bound address, with the actual port.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        Ok(self.inner.local_addr())
+    }
+}

@@ -1,0 +1,318 @@
+//! The queue pair of a message endpoint, owning every buffer the NIC may
+//! touch: receive buffers while posted, rendezvous destinations while an
+//! RDMA READ into them is outstanding, and the messages being sent.
+//!
+//! Buffers are named by the runtime's tokens (those of
+//! [`MessageCore`](crate::proto::message::MessageCore)). The runtime can only
+//! take a buffer back once the NIC is done with it: a receive buffer after
+//! its completion, a destination once no READ into it is outstanding. So
+//! the `unsafe` of posting work requests (WRs) with scatter/gather elements
+//! (SGEs) stays here. Field order makes the QP be destroyed before any
+//! buffer is freed.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+
+use super::rc::{RECV_WR_FLAG, RcQueuePair, SendPayload, Sge};
+use crate::error::{Error, Result};
+use crate::pool::{OutgoingMessage, PoolBuf};
+use crate::proto::message::{MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN};
+
+/// Bytes of scratch per send-queue slot for an RTS header that is not
+/// posted inline.
+const RTS_SLOT: usize = 32;
+
+/// The SGE of the last data WR posted (a SEND with payload or a READ), for
+/// the zero-copy checks of the test suite.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PostedSge {
+    /// Virtual address the NIC reads (SEND) or writes (READ).
+    pub addr: u64,
+    /// Bytes.
+    pub len: u32,
+    /// Local key.
+    pub lkey: u32,
+}
+
+pub(crate) struct MessageQp {
+    // Dropped first: the QP is destroyed before the buffers below.
+    qp: RcQueuePair,
+    send_depth: u64,
+    /// Posted receive buffers by token.
+    recv: HashMap<u64, PoolBuf>,
+    /// Rendezvous destinations by token.
+    dests: HashMap<u64, PoolBuf>,
+    /// Destinations released while READs into them were outstanding.
+    zombies: HashMap<u64, PoolBuf>,
+    /// Messages being sent, by token.
+    sending: HashMap<u64, OutgoingMessage>,
+    /// Posted send-queue WRs not known complete, oldest first, with the
+    /// destination a READ writes into.
+    outstanding: VecDeque<(u64, Option<u64>)>,
+    last_sge: Option<PostedSge>,
+}
+
+fn internal(msg: String) -> Error {
+    Error::Verbs {
+        op: "message endpoint",
+        source: io::Error::other(msg),
+    }
+}
+
+impl AsMut<RcQueuePair> for MessageQp {
+    fn as_mut(&mut self) -> &mut RcQueuePair {
+        &mut self.qp
+    }
+}
+
+impl MessageQp {
+    /// Wraps `qp`, whose send buffer must hold `send_depth * 32` bytes of RTS
+    /// scratch.
+    pub(crate) fn new(qp: RcQueuePair, send_depth: u16) -> Self {
+        MessageQp {
+            qp,
+            send_depth: u64::from(send_depth.max(1)),
+            recv: HashMap::new(),
+            dests: HashMap::new(),
+            zombies: HashMap::new(),
+            sending: HashMap::new(),
+            outstanding: VecDeque::new(),
+            last_sge: None,
+        }
+    }
+
+    /// Scratch bytes a QP for `send_depth` needs (`RcSizes::send_buf`).
+    pub(crate) fn scratch_len(send_depth: u16) -> usize {
+        usize::from(send_depth.max(1)) * RTS_SLOT
+    }
+
+    pub(crate) fn qp_ref(&self) -> &RcQueuePair {
+        &self.qp
+    }
+
+    /// Posts receive buffers (their whole capacity), keeping them until
+    /// [`take_recv`](Self::take_recv). The receive WR id is the token with
+    /// [`RECV_WR_FLAG`] set.
+    pub(crate) fn post_recvs(&mut self, bufs: Vec<(u64, PoolBuf)>) -> Result<()> {
+        let mut wrs = Vec::with_capacity(bufs.len());
+        for (token, mut buf) in bufs {
+            buf.clear();
+            let len = u32::try_from(buf.capacity()).unwrap_or(u32::MAX);
+            wrs.push((
+                RECV_WR_FLAG | token,
+                Sge {
+                    addr: buf.addr(),
+                    len,
+                    lkey: buf.lkey(),
+                },
+            ));
+            self.recv.insert(token, buf);
+        }
+        // SAFETY: every SGE names a pool buffer registered read-write on
+        // this QP's PD (the pool and QP share the device's PD; the endpoint
+        // checks it) and owned by `self.recv` until its completion is seen
+        // (`take_recv`) or the QP is destroyed (first field, dropped first).
+        unsafe { self.qp.post_recv_sges(&wrs) }
+    }
+
+    /// The buffer of a completed (or flushed) receive WR, with its length
+    /// set to `byte_len` (clamped to its capacity).
+    pub(crate) fn take_recv(&mut self, wr_id: u64, byte_len: u32) -> Option<(u64, PoolBuf)> {
+        let token = wr_id & !RECV_WR_FLAG;
+        let mut buf = self.recv.remove(&token)?;
+        buf.set_len((byte_len as usize).min(buf.capacity()));
+        Some((token, buf))
+    }
+
+    /// Keeps `buf` as destination `token` for READs.
+    pub(crate) fn add_dest(&mut self, token: u64, buf: PoolBuf) {
+        self.dests.insert(token, buf);
+    }
+
+    fn dest_busy(&self, token: u64) -> bool {
+        self.outstanding.iter().any(|&(_, d)| d == Some(token))
+    }
+
+    /// The destination `token` with every READ into it complete; `None` if
+    /// unknown or a READ into it is outstanding.
+    pub(crate) fn take_dest(&mut self, token: u64) -> Option<PoolBuf> {
+        if self.dest_busy(token) {
+            return None;
+        }
+        self.dests.remove(&token)
+    }
+
+    /// Frees destination `token` now, or once the READs into it completed.
+    pub(crate) fn release_dest(&mut self, token: u64) {
+        if let Some(buf) = self.dests.remove(&token) {
+            if self.dest_busy(token) {
+                self.zombies.insert(token, buf);
+            }
+        }
+    }
+
+    /// Keeps message `token` until [`release_send`](Self::release_send).
+    pub(crate) fn add_send(&mut self, token: u64, msg: OutgoingMessage) {
+        self.sending.insert(token, msg);
+    }
+
+    /// The NIC and the peer are done with message `token`: drop it.
+    pub(crate) fn release_send(&mut self, token: u64) -> bool {
+        self.sending.remove(&token).is_some()
+    }
+
+    /// Messages held for sending.
+    pub(crate) fn sends_held(&self) -> usize {
+        self.sending.len()
+    }
+
+    /// Send-queue WR `wr_id` completed (successfully or flushed): it and
+    /// every earlier WR are done (RC ordering).
+    pub(crate) fn send_completed(&mut self, wr_id: u64) {
+        while let Some(&(id, _)) = self.outstanding.front() {
+            if id > wr_id {
+                break;
+            }
+            self.outstanding.pop_front();
+        }
+        if !self.zombies.is_empty() {
+            let busy: Vec<u64> = self.outstanding.iter().filter_map(|&(_, d)| d).collect();
+            self.zombies.retain(|t, _| busy.contains(t));
+        }
+    }
+
+    /// The SGE of the last SEND with payload or READ posted.
+    pub(crate) fn last_sge(&self) -> Option<PostedSge> {
+        self.last_sge
+    }
+
+    /// Posts what the core asked for.
+    pub(crate) fn post(&mut self, t: &MsgTransmit) -> Result<()> {
+        let mut read_dest = None;
+        match t.kind {
+            MsgTransmitKind::Eager {
+                token,
+                len,
+                imm,
+                inline,
+            } => {
+                let msg = self
+                    .sending
+                    .get(&token)
+                    .ok_or_else(|| internal(format!("no message for token {token}")))?;
+                let data = msg
+                    .as_slice()
+                    .get(..len as usize)
+                    .ok_or_else(|| internal(format!("message {token} shorter than {len}")))?;
+                let payload = if len == 0 {
+                    SendPayload::None
+                } else if inline {
+                    SendPayload::Inline(data)
+                } else {
+                    let sge = Sge {
+                        addr: msg.addr(),
+                        len,
+                        lkey: msg.lkey(),
+                    };
+                    self.last_sge = Some(PostedSge {
+                        addr: sge.addr,
+                        len,
+                        lkey: sge.lkey,
+                    });
+                    SendPayload::Sge(sge)
+                };
+                // SAFETY: the SGE names the message's registered memory,
+                // held in `self.sending` until the core reports the send
+                // done; a SEND only reads it.
+                unsafe { self.qp.post_send_imm(t.wr_id, payload, imm, t.signaled) }?;
+            }
+            MsgTransmitKind::Rts {
+                header,
+                imm,
+                inline,
+            } => {
+                if inline {
+                    // SAFETY: no SGE: the payload is copied into the WQE.
+                    unsafe {
+                        self.qp.post_send_imm(
+                            t.wr_id,
+                            SendPayload::Inline(&header),
+                            imm,
+                            t.signaled,
+                        )
+                    }?;
+                } else {
+                    // At most `send_depth` WRs are outstanding and wr_ids
+                    // are consecutive, so slot `wr_id % send_depth` is not
+                    // in use by another WR.
+                    let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
+                    self.qp
+                        .send_buf
+                        .write_at(off, &header)
+                        .map_err(|source| Error::Verbs {
+                            op: "RTS scratch",
+                            source,
+                        })?;
+                    let sge = Sge {
+                        addr: self.qp.send_buf.addr() + off as u64,
+                        len: RTS_HEADER_LEN as u32,
+                        lkey: self.qp.send_buf.lkey(),
+                    };
+                    // SAFETY: the SGE lies in the QP's own registered send
+                    // buffer, which lives as long as the QP.
+                    unsafe {
+                        self.qp
+                            .post_send_imm(t.wr_id, SendPayload::Sge(sge), imm, t.signaled)
+                    }?;
+                }
+            }
+            MsgTransmitKind::Control { imm } => {
+                // SAFETY: no SGE.
+                unsafe {
+                    self.qp
+                        .post_send_imm(t.wr_id, SendPayload::None, imm, t.signaled)
+                }?;
+            }
+            MsgTransmitKind::Read {
+                local_token,
+                local_offset,
+                remote_addr,
+                rkey,
+                len,
+            } => {
+                let dest = self
+                    .dests
+                    .get(&local_token)
+                    .ok_or_else(|| internal(format!("no destination {local_token}")))?;
+                let end = local_offset.checked_add(u64::from(len));
+                if end.is_none_or(|e| e > dest.capacity() as u64) {
+                    return Err(internal(format!(
+                        "READ of {len} bytes at {local_offset} beyond destination of {} bytes",
+                        dest.capacity()
+                    )));
+                }
+                let sge = Sge {
+                    addr: dest.addr() + local_offset,
+                    len,
+                    lkey: dest.lkey(),
+                };
+                self.last_sge = Some(PostedSge {
+                    addr: sge.addr,
+                    len,
+                    lkey: sge.lkey,
+                });
+                // SAFETY: the SGE lies inside the destination (checked
+                // above), pool memory registered read-write on this PD and
+                // held in `self.dests` (or `self.zombies`) while this READ
+                // is outstanding (`dest_busy`).
+                unsafe {
+                    self.qp
+                        .post_read(t.wr_id, sge, remote_addr, rkey, t.signaled)
+                }?;
+                read_dest = Some(local_token);
+            }
+        }
+        self.outstanding.push_back((t.wr_id, read_dest));
+        Ok(())
+    }
+}
