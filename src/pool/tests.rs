@@ -527,3 +527,85 @@ fn handles_are_send_and_sync() {
     let (p, _) = pool(PoolConfig::default());
     drop(alloc_is_send(&p));
 }
+
+#[test]
+fn alloc_any_serves_messages_beyond_the_largest_class_with_a_dedicated_region() {
+    let (p, fake) = error_pool(16 * MIB);
+    let small = p.try_alloc_any(100).unwrap();
+    assert_eq!(
+        small.capacity(),
+        4096,
+        "a class buffer up to the largest class"
+    );
+    let big = p.try_alloc_any(3 * MIB + 5).unwrap();
+    assert_eq!(big.capacity(), 3 * MIB + 5, "exactly the requested length");
+    assert_eq!(big.addr() % 4096, 0);
+    assert_eq!(fake.registrations(), 2);
+    let s = p.stats();
+    // The 4 KiB class slab (4 MiB) plus the page-rounded dedicated region.
+    let dedicated = (3 * MIB + 4096) as u64;
+    assert_eq!(s.bytes_registered, 4 * MIB as u64 + dedicated);
+    assert_eq!(s.bytes_in_use, 4096 + dedicated);
+    assert_eq!((s.allocations, s.cache_misses, s.slabs), (2, 2, 2));
+    assert!(p.owns(big.as_ptr(), 0));
+    let full = full_range(&big);
+    assert!(
+        p.owns(full.0, full.1),
+        "the whole buffer lies in a live slab"
+    );
+    assert!(!p.owns(full.0, full.1 + 4097), "but not beyond it");
+    drop(big);
+    assert_eq!(fake.deregistrations(), 1, "dropping it deregisters at once");
+    let s = p.stats();
+    assert_eq!(s.bytes_registered, 4 * MIB as u64);
+    assert_eq!(s.bytes_in_use, 4096);
+    assert_eq!(s.slabs, 1);
+    assert!(!p.owns(full.0, 1), "a freed region is no longer owned");
+    // Beyond the bound: can never be served.
+    let err = p.try_alloc_any(17 * MIB).unwrap_err();
+    assert!(matches!(err, PoolError::TooLarge { .. }), "{err:?}");
+    // Within the bound but not now: exhausted (Error policy), nothing kept.
+    let err = p.try_alloc_any(13 * MIB).unwrap_err();
+    assert!(matches!(err, PoolError::Exhausted { .. }), "{err:?}");
+    assert_eq!(p.stats().bytes_registered, 4 * MIB as u64);
+    drop(small);
+    // The free 4 KiB slab is released to make room.
+    let huge = p.try_alloc_any(13 * MIB).unwrap();
+    assert_eq!(huge.capacity(), 13 * MIB);
+    assert_eq!(p.stats().slabs_released, 1);
+    drop(huge);
+    assert_eq!(p.stats().bytes_registered, 0);
+    assert_eq!(p.stats().bytes_in_use, 0);
+}
+
+/// Start and capacity of a buffer (its full registered range).
+fn full_range(b: &PoolBuf) -> (*const u8, usize) {
+    (b.addr() as *const u8, b.capacity())
+}
+
+#[tokio::test]
+async fn alloc_any_waits_for_a_dedicated_region_to_fit() {
+    let (p, _) = pool(PoolConfig::new().max_registered_bytes(8 * MIB as u64));
+    let first = p.alloc_any(5 * MIB).await.unwrap();
+    let p2 = p.clone();
+    let waiter = tokio::spawn(async move { p2.alloc_any(5 * MIB).await.map(|b| b.capacity()) });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiter.is_finished(), "5 + 5 MiB exceed the 8 MiB bound");
+    drop(first);
+    let cap = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("served once the first region is freed")
+        .unwrap()
+        .unwrap();
+    assert_eq!(cap, 5 * MIB);
+}
+
+#[test]
+fn owns_rejects_memory_outside_every_slab() {
+    let (p, _) = pool(PoolConfig::default());
+    let b = p.try_alloc(10).unwrap();
+    let outside = vec![0u8; 64];
+    assert!(!p.owns(outside.as_ptr(), outside.len()));
+    assert!(p.owns(b.addr() as *const u8, b.capacity()));
+    assert!(!p.owns(b.addr() as *const u8, usize::MAX));
+}

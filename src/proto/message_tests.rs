@@ -1600,3 +1600,50 @@ fn arbitrary_peer_input_is_accepted_or_rejected_with_the_right_abort() {
         );
     }
 }
+
+#[test]
+fn credit_never_returns_slots_without_a_posted_buffer() {
+    // recv_depth 8: CREDIT once 2 slots are returnable.
+    let mut core = lone();
+    let eager = MsgImm::Eager.encode();
+    for token in 1..=4 {
+        assert_eq!(
+            core.on_recv(eager, 10, token, &[0; 10]),
+            Ok(RecvDisposition::Keep)
+        );
+    }
+    for token in 1..=4 {
+        assert_eq!(
+            core.poll_recv(),
+            Some(Delivery::Eager {
+                recv_buf_token: token,
+                len: 10
+            })
+        );
+    }
+    let credit = |n| MsgTransmitKind::Control {
+        imm: MsgImm::Credit { count: n }.encode(),
+    };
+    // Four slots returnable, none reposted: nothing may be returned.
+    core.set_unposted_recvs(4);
+    assert_eq!(core.poll_transmit(), None);
+    // One reposted: 1 < threshold 2, still nothing.
+    core.set_unposted_recvs(3);
+    assert_eq!(core.poll_transmit(), None);
+    // Two reposted: exactly those two go back.
+    core.set_unposted_recvs(2);
+    assert_eq!(core.poll_transmit().map(|t| t.kind), Some(credit(2)));
+    assert_eq!(core.poll_transmit(), None);
+    // Untaken messages cover unposted slots: two held, two unposted, two
+    // returnable slots free to go.
+    for token in 5..=6 {
+        assert_eq!(
+            core.on_recv(eager, 1, token, &[0]),
+            Ok(RecvDisposition::Keep)
+        );
+    }
+    assert_eq!(core.poll_transmit().map(|t| t.kind), Some(credit(2)));
+    core.set_unposted_recvs(0);
+    assert_eq!(core.poll_transmit(), None, "nothing left to return");
+    assert_eq!(core.stats().credits_sent, 2);
+}
