@@ -243,3 +243,249 @@ async fn exhausted_receiver_pool_with_wait_policy_waits_for_the_application() {
     }
     assert_eq!(small.stats().bytes_in_use, 0);
 }
+
+fn rxe_pool(max: usize, policy: ExhaustedPolicy) -> MemoryPool {
+    MemoryPool::for_device(
+        "rxe0",
+        PoolConfig::new()
+            .max_registered_bytes(max as u64)
+            .exhausted_policy(policy),
+    )
+    .expect("rxe0 must exist in the Soft-RoCE guest")
+}
+
+async fn wait_in_use_zero(pool: &MemoryPool) {
+    for _ in 0..200 {
+        if pool.stats().bytes_in_use == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        pool.stats().bytes_in_use,
+        0,
+        "every buffer back in the pool"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_gib_message_arrives_intact_from_user_memory() {
+    const GIB: usize = 1 << 30;
+    let server_pool = rxe_pool(GIB + 64 * MIB, ExhaustedPolicy::Error);
+    let server_cfg = MessageConfig::new().pool(server_pool.clone());
+    let (client, server) = pair(&server_cfg, &MessageConfig::new()).await;
+    let data = pattern(42, GIB);
+    let want = crc(&data);
+    // User memory registered for the send: no copy into the pool.
+    let region = client.pool().register_vec(data).unwrap();
+    let region_addr = region.addr();
+    client.send(region).await.unwrap();
+    let msg = server.recv().await.unwrap().unwrap();
+    assert_eq!(msg.len(), GIB);
+    assert_eq!(crc(&msg), want, "1 GiB checksum");
+    assert!(server_pool.owns(msg.as_ptr(), msg.len()));
+    client.flush().await.unwrap();
+    assert_eq!(client.stats().rendezvous_sent, 1);
+    assert_eq!(server.stats().read_bytes, GIB as u64);
+    assert_eq!(server.stats().read_wrs, 1024, "1 MiB READs");
+    assert_ne!(region_addr, 0);
+    drop(msg);
+    drop((client, server));
+    wait_in_use_zero(&server_pool).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn million_small_messages_arrive_in_order_once() {
+    const N: u64 = 1_000_000;
+    let cfg = MessageConfig::new();
+    let (client, server) = pair(&cfg, &cfg).await;
+    let sender = tokio::spawn(async move {
+        for seq in 0..N {
+            let mut buf = client.pool().alloc(8).await.unwrap();
+            bytes::BufMut::put_u64(&mut buf, seq);
+            client.send(buf).await.unwrap();
+        }
+        client.flush().await.unwrap();
+        client.stats()
+    });
+    let mut next = 0u64;
+    while let Some(msg) = server.recv().await.unwrap() {
+        assert_eq!(msg.len(), 8);
+        let seq = u64::from_be_bytes(msg[..].try_into().unwrap());
+        assert_eq!(seq, next, "in order, none lost or duplicated");
+        next += 1;
+        if next == N {
+            break;
+        }
+    }
+    assert_eq!(next, N);
+    let sent = sender.await.unwrap();
+    assert_eq!(sent.messages_sent, N);
+    assert_eq!(sent.eager_sent, N);
+    assert_eq!(sent.inline_sent, N, "8 bytes go inline");
+    assert_eq!(server.stats().messages_received, N);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sink_and_stream_carry_messages() {
+    use futures::{SinkExt as _, StreamExt as _};
+    let cfg = MessageConfig::new();
+    let (mut client, server) = pair(&cfg, &cfg).await;
+    let pool = client.pool().clone();
+    let mut bufs = Vec::new();
+    for i in 0..100u64 {
+        let len = (i as usize * 997) % 20_000;
+        let mut b = pool.alloc_any(len).await.unwrap();
+        b.spare_mut()[..len].copy_from_slice(&pattern(i, len));
+        b.set_len(len);
+        bufs.push(Ok::<_, io::Error>(b));
+    }
+    client
+        .send_all(&mut futures::stream::iter(bufs))
+        .await
+        .unwrap();
+    futures::SinkExt::<tokio_rdma::PoolBuf>::close(&mut client)
+        .await
+        .unwrap();
+    drop(client);
+    let got: Vec<PoolBytes> = server.map(|m| m.unwrap()).collect::<Vec<_>>().await;
+    assert_eq!(got.len(), 100);
+    for (i, m) in got.iter().enumerate() {
+        let len = (i * 997) % 20_000;
+        assert_eq!(m[..], pattern(i as u64, len)[..], "message {i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_and_message_endpoints_refuse_each_other() {
+    use tokio_rdma::{RdmaListener, RdmaStream};
+    let ml = MessageListener::bind(format!("{IP}:0")).await.unwrap();
+    let err = RdmaStream::connect(ml.local_addr().unwrap())
+        .await
+        .expect_err("a stream cannot connect to a message listener");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    let sl = RdmaListener::bind(format!("{IP}:0")).await.unwrap();
+    let err = MessageEndpoint::connect(sl.local_addr().unwrap())
+        .await
+        .expect_err("a message endpoint cannot connect to a stream listener");
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+}
+
+fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        bin.exists(),
+        "{} must be built (cargo test builds examples)",
+        bin.display()
+    );
+    bin
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sender_killed_mid_rendezvous_is_an_error_and_leaks_nothing() {
+    let pool = rxe_pool(256 * MIB, ExhaustedPolicy::Wait);
+    let cfg = MessageConfig::new().pool(pool.clone());
+    let listener = MessageListener::bind_with(format!("{IP}:0"), &cfg)
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut child = tokio::process::Command::new(example("bulk_transfer"))
+        .args([
+            "client",
+            &addr.to_string(),
+            "--bytes",
+            "256MiB",
+            "--message-size",
+            "128MiB",
+        ])
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let (server, _) = listener.accept().await.unwrap();
+    let recv = {
+        let server = server.clone();
+        tokio::spawn(async move { server.recv().await })
+    };
+    // Kill the sender once the receiver's READs of its buffer are under way.
+    let mut reading = false;
+    for _ in 0..3000 {
+        if server.stats().read_wrs > 0 {
+            reading = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(reading, "the rendezvous started");
+    child.kill().await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(60), recv)
+        .await
+        .expect("the receiver notices")
+        .unwrap();
+    let err = got.expect_err("a vanished sender is an error, not a message or the end");
+    assert!(
+        matches!(
+            err.kind(),
+            io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted
+        ),
+        "{err}"
+    );
+    assert_eq!(server.stats().messages_received, 0);
+    drop(server);
+    drop(listener);
+    wait_in_use_zero(&pool).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receiver_killed_mid_rendezvous_is_an_error_and_leaks_nothing() {
+    let addr = format!("{IP}:7702");
+    let mut child = tokio::process::Command::new(example("bulk_transfer"))
+        .args(["server", &addr])
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pool = rxe_pool(256 * MIB, ExhaustedPolicy::Wait);
+    let cfg = MessageConfig::new().pool(pool.clone());
+    let mut client = None;
+    for _ in 0..100 {
+        match MessageEndpoint::connect_with(addr.as_str(), &cfg).await {
+            Ok(c) => {
+                client = Some(c);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let client = client.expect("bulk_transfer server came up");
+    let mut buf = pool.alloc_any(128 * MIB).await.unwrap();
+    buf.set_len(128 * MIB);
+    client.send(buf).await.unwrap();
+    for _ in 0..3000 {
+        if client.stats().rendezvous_sent > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(client.stats().rendezvous_sent, 1);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    child.kill().await.unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(60), client.flush())
+        .await
+        .expect("the sender notices")
+        .expect_err("the message was never taken");
+    assert!(
+        matches!(
+            err.kind(),
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+        ),
+        "{err}"
+    );
+    drop(client);
+    wait_in_use_zero(&pool).await;
+}
