@@ -604,7 +604,7 @@ async fn alloc_any_waits_for_a_dedicated_region_to_fit() {
 fn owns_rejects_memory_outside_every_slab() {
     let (p, _) = pool(PoolConfig::default());
     let b = p.try_alloc(10).unwrap();
-    let outside = vec![0u8; 64];
+    let outside = [0u8; 64];
     assert!(!p.owns(outside.as_ptr(), outside.len()));
     assert!(p.owns(b.addr() as *const u8, b.capacity()));
     assert!(!p.owns(b.addr() as *const u8, usize::MAX));
