@@ -297,6 +297,7 @@ async fn one_gib_message_arrives_intact_from_user_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn million_small_messages_arrive_in_order_once() {
     const N: u64 = 1_000_000;
+    let rnr_before = rnr_counters();
     let cfg = MessageConfig::new();
     let (client, server) = pair(&cfg, &cfg).await;
     let sender = tokio::spawn(async move {
@@ -324,6 +325,25 @@ async fn million_small_messages_arrive_in_order_once() {
     assert_eq!(sent.eager_sent, N);
     assert_eq!(sent.inline_sent, N, "8 bytes go inline");
     assert_eq!(server.stats().messages_received, N);
+    assert_eq!(
+        rnr_counters(),
+        rnr_before,
+        "credit kept every SEND from meeting an empty receive queue (no RNR NAK)"
+    );
+}
+
+/// rxe0's RNR NAK counters: (sent by the responder, received by the
+/// requester).
+fn rnr_counters() -> (u64, u64) {
+    let read = |name: &str| -> u64 {
+        let path = format!("/sys/class/infiniband/rxe0/ports/1/hw_counters/{name}");
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{path}: {e}"))
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    (read("send_rnr_err"), read("rcvd_rnr_err"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
