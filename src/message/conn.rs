@@ -138,8 +138,9 @@ impl State {
                 ConnError::new(
                     io::ErrorKind::InvalidData,
                     "RDMA READ of the peer's announced buffer failed with a remote access \
-                     error (ibv_wc_status 10): the address range or rkey lies outside what \
-                     the peer registered",
+                     error (ibv_wc_status 10): the range or rkey is not (or no longer) \
+                     registered for remote read at the peer: a bogus announcement, or a \
+                     peer that deregistered it, for example by exiting",
                 )
             } else {
                 ConnError::new(
