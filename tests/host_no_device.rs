@@ -41,3 +41,42 @@ async fn connect_and_bind_without_device_give_no_device() {
     let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
     assert!(matches!(inner, Some(Error::NoDevice)), "{err:?}");
 }
+
+#[tokio::test]
+async fn message_endpoints_without_device_give_no_device_and_check_config() {
+    use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener};
+    let err = MessageEndpoint::connect("10.11.0.1:7480")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+    let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
+    assert!(matches!(inner, Some(Error::NoDevice)), "{err:?}");
+    let err = MessageListener::bind("0.0.0.0:0").await.unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+
+    // Bad values are refused before any device is looked at.
+    for (cfg, field) in [
+        (MessageConfig::new().eager_buf_len(19), "eager_buf_len"),
+        (MessageConfig::new().max_message_len(0), "max_message_len"),
+        (
+            MessageConfig::new().max_message_len((1 << 48) + 1),
+            "max_message_len",
+        ),
+        (MessageConfig::new().max_read_len(0), "max_read_len"),
+        (
+            MessageConfig::new().max_rendezvous_in_flight(0),
+            "max_rendezvous_in_flight",
+        ),
+        (MessageConfig::new().send_queue_limit(0), "send_queue_limit"),
+    ] {
+        let err = MessageEndpoint::connect_with("10.11.0.1:7480", &cfg)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{field}: {err}");
+        let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
+        assert!(
+            matches!(inner, Some(Error::InvalidConfig { field: f, .. }) if *f == field),
+            "{field}: {err:?}"
+        );
+    }
+}
