@@ -208,7 +208,7 @@ impl RdmaConfig {
 
     /// Use this RDMA device (for example `mlx5_0`) instead of the one the
     /// route resolves to; the connection fails with
-    /// [`Error::DeviceNotFound`](crate::Error::DeviceNotFound) if it does not
+    /// [`crate::Error::DeviceNotFound`] if it does not
     /// match the device rdma_cm bound the address to.
     pub fn device(mut self, name: impl Into<String>) -> Self {
         self.device = Some(name.into());

@@ -3,14 +3,19 @@
 //! RDMA reliable-connected (RC) queue pairs (InfiniBand, RoCE) for tokio
 //! programs: [`RdmaStream`]/[`RdmaListener`] behave like tokio's
 //! `TcpStream`/`TcpListener`, so hyper, tonic, tokio-util codecs and
-//! tokio-rustls run over them unchanged.
+//! tokio-rustls run over them unchanged; [`MessageEndpoint`]/[`MessageListener`]
+//! move messages between buffers of a shared [`MemoryPool`] of registered
+//! memory without copying; [`transport`] switches between `rdma://` and
+//! `tcp://` by address.
 //!
 //! Layers, bottom up (see the README's design notes):
 //! - [`verbs`]: the only code that calls libibverbs/librdmacm (through
 //!   `sideway`); device, port and GID discovery.
 //! - [`proto`]: the sans-IO protocol core: no I/O, no clock, no `unsafe`.
-//! - the runtime (`stream`): drives the core on tokio (`AsyncFd` for the
-//!   completion and rdma_cm channels, one driver task per connection).
+//! - [`pool`]: registered memory shared by every connection on a device.
+//! - the runtimes (`stream`, `message`): drive the cores on tokio (`AsyncFd`
+//!   for the completion and rdma_cm channels, one driver task per
+//!   connection).
 //!
 //! Errors are one [`Error`] enum that converts into [`std::io::Error`] with a
 //! deliberate [`std::io::ErrorKind`].
@@ -19,7 +24,7 @@
 
 pub mod config;
 pub mod error;
-mod message;
+pub mod message;
 #[allow(unsafe_code)]
 pub mod pool;
 pub mod proto;

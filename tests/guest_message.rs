@@ -383,12 +383,31 @@ async fn streams_and_message_endpoints_refuse_each_other() {
     let err = RdmaStream::connect(ml.local_addr().unwrap())
         .await
         .expect_err("a stream cannot connect to a message listener");
-    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    assert_wrong_kind(&err);
     let sl = RdmaListener::bind(format!("{IP}:0")).await.unwrap();
     let err = MessageEndpoint::connect(sl.local_addr().unwrap())
         .await
         .expect_err("a message endpoint cannot connect to a stream listener");
+    assert_wrong_kind(&err);
+}
+
+/// Refused by the listener because the endpoint kinds differ.
+fn assert_wrong_kind(err: &io::Error) {
+    use tokio_rdma::proto::handshake::RejectReason;
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    let inner = err
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<tokio_rdma::Error>());
+    assert!(
+        matches!(
+            inner,
+            Some(tokio_rdma::Error::HandshakeRejected {
+                reason: RejectReason::WrongKind,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
 }
 
 fn example(name: &str) -> std::path::PathBuf {

@@ -18,7 +18,7 @@
 //! A message listener has a port of its own, like a second `TcpListener`:
 //! the handshake carries the endpoint kind, and a stream client that reaches
 //! a message listener (or the reverse) is rejected with
-//! [`RejectReason::KindMismatch`](crate::proto::handshake::RejectReason::KindMismatch),
+//! [`RejectReason::WrongKind`](crate::proto::handshake::RejectReason::WrongKind),
 //! so a mix-up is a clear error rather than garbage. Sharing one port would
 //! need one listener to hand out two kinds of connection, which neither
 //! `TcpListener`-style API can express.
@@ -368,7 +368,7 @@ impl MessageEndpoint {
     /// # Errors
     /// As [`RdmaStream::connect`](crate::RdmaStream::connect); a stream
     /// listener at `addr` rejects the handshake (`ConnectionRefused`,
-    /// [`Error::HandshakeRejected`] with `KindMismatch`).
+    /// [`Error::HandshakeRejected`] with `WrongKind`).
     pub async fn connect<A: ToSocketAddrs>(addr: A) -> io::Result<MessageEndpoint> {
         Self::connect_with(addr, &MessageConfig::default()).await
     }
