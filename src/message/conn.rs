@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 use crate::pool::{ExhaustedPolicy, MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolError};
 use crate::proto::message::{
     ABORT_CODE_APPLICATION, Delivery, MessageCore, MessageError, MessageStats, MsgEvent,
-    OutboundMessage, RecvDisposition, SendError, abort_code_reason,
+    MsgTransmit, OutboundMessage, RecvDisposition, SendError, abort_code_reason,
 };
 use crate::stream::conn::{ConnError, Established};
 use crate::verbs::cm::{CmEventKind, CmId};
@@ -38,6 +38,10 @@ const WC_REM_ACCESS_ERR: u32 = 10;
 /// How often a driver waiting for pool memory looks again even without a
 /// notification (a return can race with the waiter's registration).
 const MEMORY_RETRY: Duration = Duration::from_millis(5);
+
+/// Messages fed through `Sink::start_send` are posted together once this
+/// many are queued (or at `poll_flush`).
+const FEED_BATCH: usize = 32;
 
 pub(crate) struct State {
     core: MessageCore,
@@ -64,6 +68,8 @@ pub(crate) struct State {
     need_memory: bool,
     handles: usize,
     scratch: Vec<Completion>,
+    /// Reused list of WRs posted together.
+    batch: Vec<MsgTransmit>,
 }
 
 impl State {
@@ -176,7 +182,11 @@ impl State {
                 }
                 Err(e) => self.protocol_error(e),
             }
-            if let Some(w) = self.recv_waker.take() {
+            // A message arrived, or credit for blocked sends.
+            for w in [self.recv_waker.take(), self.send_waker.take()]
+                .into_iter()
+                .flatten()
+            {
                 w.wake();
             }
         } else {
@@ -303,17 +313,20 @@ impl State {
             }
             let mut posted = false;
             if !self.peer_closed && !self.closing {
+                let mut batch = std::mem::take(&mut self.batch);
+                batch.clear();
                 while let Some(t) = self.core.poll_transmit() {
                     trace!(?t, "post");
-                    posted = true;
-                    if let Err(e) = self.qp.post(&t) {
-                        self.lost(ConnError::new(
-                            io::ErrorKind::ConnectionAborted,
-                            e.to_string(),
-                        ));
-                        break;
-                    }
+                    batch.push(t);
                 }
+                posted = !batch.is_empty();
+                if let Err(e) = self.qp.post(&batch) {
+                    self.lost(ConnError::new(
+                        io::ErrorKind::ConnectionAborted,
+                        e.to_string(),
+                    ));
+                }
+                self.batch = batch;
             }
             if !posted && !self.handle_events() {
                 break;
@@ -440,7 +453,10 @@ impl MsgConn {
         Poll::Pending
     }
 
-    pub(crate) fn start_send(&self, msg: OutgoingMessage) -> io::Result<()> {
+    /// Queues `msg`; posts at once unless `defer` (the `Sink` path, whose
+    /// `poll_flush` posts the batch with one doorbell; a long batch is
+    /// posted every [`FEED_BATCH`] messages).
+    pub(crate) fn start_send(&self, msg: OutgoingMessage, defer: bool) -> io::Result<()> {
         let mut st = self.lock();
         if let Some(e) = Self::send_error(&st) {
             return Err(e);
@@ -462,8 +478,25 @@ impl MsgConn {
                     .unwrap_or_else(|| io::Error::new(io::ErrorKind::ConnectionReset, e)),
             });
         }
-        st.settle();
+        if !defer || st.core.queued() >= FEED_BATCH {
+            st.settle();
+        }
         Ok(())
+    }
+
+    /// Ready once every queued message is posted to the NIC (the `Sink`
+    /// flush: like a socket write, not an acknowledgement).
+    pub(crate) fn poll_posted(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut st = self.lock();
+        st.progress();
+        if let Some(e) = Self::send_error(&st) {
+            return Poll::Ready(Err(e));
+        }
+        if st.core.queued() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        st.send_waker = Some(cx.waker().clone());
+        Poll::Pending
     }
 
     pub(crate) fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -567,6 +600,7 @@ pub(crate) fn spawn(
         need_memory: false,
         handles: 1,
         scratch: Vec::with_capacity(64),
+        batch: Vec::with_capacity(64),
     };
     let conn = Arc::new(MsgConn {
         state: Mutex::new(state),

@@ -399,7 +399,7 @@ impl MessageEndpoint {
     pub async fn send(&self, msg: impl Into<OutgoingMessage>) -> io::Result<()> {
         let msg = msg.into();
         std::future::poll_fn(|cx| self.conn.poll_send_ready(cx)).await?;
-        self.conn.start_send(msg)
+        self.conn.start_send(msg, false)
     }
 
     /// Copies `data` into a pool buffer and sends it (for callers whose data
@@ -503,17 +503,26 @@ impl<M: Into<OutgoingMessage>> Sink<M> for MessageEndpoint {
         self.conn.poll_send_ready(cx)
     }
 
+    /// Queues the message; `poll_flush` posts what was fed with one
+    /// doorbell (so `send_all` and `feed` batch).
     fn start_send(self: Pin<&mut Self>, item: M) -> io::Result<()> {
-        self.conn.start_send(item.into())
+        self.conn.start_send(item.into(), true)
     }
 
+    /// Ready once every message fed so far is posted to the NIC (as a
+    /// socket's flush hands bytes to the kernel).
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.conn.poll_flush(cx)
+        self.conn.poll_posted(cx)
     }
 
-    /// Flushes; the connection closes when the last handle drops.
+    /// Ready once every message is taken by the peer, like
+    /// [`MessageEndpoint::flush`]; the connection closes when the last
+    /// handle drops.
     fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        self.conn.poll_flush(cx)
+        match self.conn.poll_posted(cx) {
+            Poll::Ready(Ok(())) => self.conn.poll_flush(cx),
+            other => other,
+        }
     }
 }
 

@@ -13,7 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 
-use super::rc::{RECV_WR_FLAG, RcQueuePair, SendPayload, Sge};
+use super::rc::{RECV_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr, Sge};
 use crate::error::{Error, Result};
 use crate::pool::{OutgoingMessage, PoolBuf};
 use crate::proto::message::{MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN};
@@ -186,133 +186,140 @@ impl MessageQp {
         self.last_sge
     }
 
-    /// Posts what the core asked for.
-    pub(crate) fn post(&mut self, t: &MsgTransmit) -> Result<()> {
-        let mut read_dest = None;
-        match t.kind {
-            MsgTransmitKind::Eager {
-                token,
-                len,
-                imm,
-                inline,
-            } => {
-                let msg = self
-                    .sending
-                    .get(&token)
-                    .ok_or_else(|| internal(format!("no message for token {token}")))?;
-                let data = msg
-                    .as_slice()
-                    .get(..len as usize)
-                    .ok_or_else(|| internal(format!("message {token} shorter than {len}")))?;
-                let payload = if len == 0 {
-                    SendPayload::None
-                } else if inline {
-                    SendPayload::Inline(data)
-                } else {
-                    let sge = Sge {
-                        addr: msg.addr(),
-                        len,
-                        lkey: msg.lkey(),
-                    };
-                    self.last_sge = Some(PostedSge {
-                        addr: sge.addr,
-                        len,
-                        lkey: sge.lkey,
-                    });
-                    SendPayload::Sge(sge)
-                };
-                // SAFETY: the SGE names the message's registered memory,
-                // held in `self.sending` until the core reports the send
-                // done; a SEND only reads it.
-                unsafe { self.qp.post_send_imm(t.wr_id, payload, imm, t.signaled) }?;
-            }
-            MsgTransmitKind::Rts {
+    /// Posts what the core asked for, all of it with one doorbell.
+    pub(crate) fn post(&mut self, batch: &[MsgTransmit]) -> Result<()> {
+        // RTS headers not sent inline go to the scratch slots first.
+        for t in batch {
+            if let MsgTransmitKind::Rts {
                 header,
-                imm,
-                inline,
-            } => {
-                if inline {
-                    // SAFETY: no SGE: the payload is copied into the WQE.
-                    unsafe {
-                        self.qp.post_send_imm(
-                            t.wr_id,
-                            SendPayload::Inline(&header),
-                            imm,
-                            t.signaled,
-                        )
-                    }?;
-                } else {
-                    // At most `send_depth` WRs are outstanding and wr_ids
-                    // are consecutive, so slot `wr_id % send_depth` is not
-                    // in use by another WR.
-                    let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
-                    self.qp
-                        .send_buf
-                        .write_at(off, &header)
-                        .map_err(|source| Error::Verbs {
-                            op: "RTS scratch",
-                            source,
-                        })?;
-                    let sge = Sge {
-                        addr: self.qp.send_buf.addr() + off as u64,
-                        len: RTS_HEADER_LEN as u32,
-                        lkey: self.qp.send_buf.lkey(),
-                    };
-                    // SAFETY: the SGE lies in the QP's own registered send
-                    // buffer, which lives as long as the QP.
-                    unsafe {
-                        self.qp
-                            .post_send_imm(t.wr_id, SendPayload::Sge(sge), imm, t.signaled)
-                    }?;
-                }
-            }
-            MsgTransmitKind::Control { imm } => {
-                // SAFETY: no SGE.
-                unsafe {
-                    self.qp
-                        .post_send_imm(t.wr_id, SendPayload::None, imm, t.signaled)
-                }?;
-            }
-            MsgTransmitKind::Read {
-                local_token,
-                local_offset,
-                remote_addr,
-                rkey,
-                len,
-            } => {
-                let dest = self
-                    .dests
-                    .get(&local_token)
-                    .ok_or_else(|| internal(format!("no destination {local_token}")))?;
-                let end = local_offset.checked_add(u64::from(len));
-                if end.is_none_or(|e| e > dest.capacity() as u64) {
-                    return Err(internal(format!(
-                        "READ of {len} bytes at {local_offset} beyond destination of {} bytes",
-                        dest.capacity()
-                    )));
-                }
-                let sge = Sge {
-                    addr: dest.addr() + local_offset,
-                    len,
-                    lkey: dest.lkey(),
-                };
-                self.last_sge = Some(PostedSge {
-                    addr: sge.addr,
-                    len,
-                    lkey: sge.lkey,
-                });
-                // SAFETY: the SGE lies inside the destination (checked
-                // above), pool memory registered read-write on this PD and
-                // held in `self.dests` (or `self.zombies`) while this READ
-                // is outstanding (`dest_busy`).
-                unsafe {
-                    self.qp
-                        .post_read(t.wr_id, sge, remote_addr, rkey, t.signaled)
-                }?;
-                read_dest = Some(local_token);
+                inline: false,
+                ..
+            } = t.kind
+            {
+                // At most `send_depth` WRs are outstanding and wr_ids are
+                // consecutive, so slot `wr_id % send_depth` is not in use by
+                // another WR.
+                let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
+                self.qp
+                    .send_buf
+                    .write_at(off, &header)
+                    .map_err(|source| Error::Verbs {
+                        op: "RTS scratch",
+                        source,
+                    })?;
             }
         }
-        self.outstanding.push_back((t.wr_id, read_dest));
+        let mut wrs = Vec::with_capacity(batch.len());
+        let mut dests = Vec::with_capacity(batch.len());
+        for t in batch {
+            let mut read_dest = None;
+            let op = match &t.kind {
+                &MsgTransmitKind::Eager {
+                    token,
+                    len,
+                    imm,
+                    inline,
+                } => {
+                    let msg = self
+                        .sending
+                        .get(&token)
+                        .ok_or_else(|| internal(format!("no message for token {token}")))?;
+                    let data = msg
+                        .as_slice()
+                        .get(..len as usize)
+                        .ok_or_else(|| internal(format!("message {token} shorter than {len}")))?;
+                    let payload = if len == 0 {
+                        SendPayload::None
+                    } else if inline {
+                        SendPayload::Inline(data)
+                    } else {
+                        let sge = Sge {
+                            addr: msg.addr(),
+                            len,
+                            lkey: msg.lkey(),
+                        };
+                        self.last_sge = Some(PostedSge {
+                            addr: sge.addr,
+                            len,
+                            lkey: sge.lkey,
+                        });
+                        SendPayload::Sge(sge)
+                    };
+                    SendOp::SendImm { payload, imm }
+                }
+                MsgTransmitKind::Rts {
+                    header,
+                    imm,
+                    inline,
+                } => {
+                    let payload = if *inline {
+                        SendPayload::Inline(header)
+                    } else {
+                        let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
+                        SendPayload::Sge(Sge {
+                            addr: self.qp.send_buf.addr() + off as u64,
+                            len: RTS_HEADER_LEN as u32,
+                            lkey: self.qp.send_buf.lkey(),
+                        })
+                    };
+                    SendOp::SendImm { payload, imm: *imm }
+                }
+                &MsgTransmitKind::Control { imm } => SendOp::SendImm {
+                    payload: SendPayload::None,
+                    imm,
+                },
+                &MsgTransmitKind::Read {
+                    local_token,
+                    local_offset,
+                    remote_addr,
+                    rkey,
+                    len,
+                } => {
+                    let dest = self
+                        .dests
+                        .get(&local_token)
+                        .ok_or_else(|| internal(format!("no destination {local_token}")))?;
+                    let end = local_offset.checked_add(u64::from(len));
+                    if end.is_none_or(|e| e > dest.capacity() as u64) {
+                        return Err(internal(format!(
+                            "READ of {len} bytes at {local_offset} beyond destination of {} bytes",
+                            dest.capacity()
+                        )));
+                    }
+                    let local = Sge {
+                        addr: dest.addr() + local_offset,
+                        len,
+                        lkey: dest.lkey(),
+                    };
+                    self.last_sge = Some(PostedSge {
+                        addr: local.addr,
+                        len,
+                        lkey: local.lkey,
+                    });
+                    read_dest = Some(local_token);
+                    SendOp::Read {
+                        local,
+                        remote_addr,
+                        rkey,
+                    }
+                }
+            };
+            wrs.push(SendWr {
+                wr_id: t.wr_id,
+                signaled: t.signaled,
+                op,
+            });
+            dests.push((t.wr_id, read_dest));
+        }
+        // SAFETY: every SGE names registered memory on this QP's PD that
+        // outlives its WR: a message held in `self.sending` until the core
+        // reports its send done (a SEND only reads it); the QP's own RTS
+        // scratch; a destination inside its bounds (checked above), held in
+        // `self.dests`/`self.zombies` while a READ into it is outstanding
+        // (`dest_busy`, fed by `self.outstanding` below). Inline payloads
+        // are copied at posting.
+        unsafe { self.qp.post_send_batch(&wrs) }?;
+        self.outstanding.extend(dests);
         Ok(())
     }
 }

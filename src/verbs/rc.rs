@@ -238,7 +238,7 @@ pub(crate) struct Sge {
     pub lkey: u32,
 }
 
-/// The payload of a SEND ([`RcQueuePair::post_send_imm`]).
+/// The payload of a SEND ([`SendOp::SendImm`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum SendPayload<'a> {
     /// No payload.
@@ -247,6 +247,27 @@ pub(crate) enum SendPayload<'a> {
     Inline(&'a [u8]),
     /// Read by the NIC from registered memory.
     Sge(Sge),
+}
+
+/// One send-queue WR for [`RcQueuePair::post_send_batch`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SendWr<'a> {
+    pub wr_id: u64,
+    pub signaled: bool,
+    pub op: SendOp<'a>,
+}
+
+/// The operation of a [`SendWr`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum SendOp<'a> {
+    /// SEND WITH IMMEDIATE (`imm` in host order).
+    SendImm { payload: SendPayload<'a>, imm: u32 },
+    /// RDMA READ of `local.len` bytes from `remote_addr` into `local`.
+    Read {
+        local: Sge,
+        remote_addr: u64,
+        rkey: u32,
+    },
 }
 
 /// Wraps the completion channel for AsyncFd registration.
@@ -477,66 +498,49 @@ impl RcQueuePair {
         })
     }
 
-    /// Posts one SEND WITH IMM. The payload is `inline` bytes copied into the
-    /// WQE, or `sge`, or nothing (a zero-length control message).
+    /// Posts `wrs` (SEND WITH IMM and RDMA READ) with one `ibv_post_send`
+    /// call: one doorbell for the whole batch.
     ///
     /// # Safety
     ///
-    /// `sge` (if any) must name memory registered under its lkey on this
-    /// QP's PD that stays allocated and unmodified until the WR completes.
-    pub(crate) unsafe fn post_send_imm(
-        &mut self,
-        wr_id: u64,
-        payload: SendPayload<'_>,
-        imm: u32,
-        signaled: bool,
-    ) -> Result<()> {
-        let flags = if signaled {
-            WorkRequestFlags::Signaled
-        } else {
-            WorkRequestFlags::none()
-        };
-        let mut guard = self.qp.start_post_send();
-        let wr = guard.construct_wr(wr_id, flags).setup_send_imm(imm.to_be());
-        match payload {
-            SendPayload::None => {}
-            SendPayload::Inline(data) => wr.setup_inline_data(data),
-            // SAFETY: the caller guarantees the SGE's memory (see above).
-            SendPayload::Sge(sge) => unsafe { wr.setup_sge(sge.lkey, sge.addr, sge.len) },
+    /// Every SGE must name memory registered under its lkey on this QP's PD
+    /// that stays allocated until its WR completes (or is flushed), and that
+    /// the program does not touch while a READ writes it.
+    pub(crate) unsafe fn post_send_batch(&mut self, wrs: &[SendWr<'_>]) -> Result<()> {
+        if wrs.is_empty() {
+            return Ok(());
         }
-        guard.post().map_err(|e| Error::Verbs {
-            op: "ibv_post_send",
-            source: io::Error::other(e),
-        })
-    }
-
-    /// Posts one RDMA READ of `local.len` bytes from `remote_addr` (rkey
-    /// `rkey`) into `local`.
-    ///
-    /// # Safety
-    ///
-    /// `local` must name memory registered with local-write access under its
-    /// lkey on this QP's PD that stays allocated and untouched by the program
-    /// until the WR completes (or is flushed).
-    pub(crate) unsafe fn post_read(
-        &mut self,
-        wr_id: u64,
-        local: Sge,
-        remote_addr: u64,
-        rkey: u32,
-        signaled: bool,
-    ) -> Result<()> {
-        let flags = if signaled {
-            WorkRequestFlags::Signaled
-        } else {
-            WorkRequestFlags::none()
-        };
         let mut guard = self.qp.start_post_send();
-        let wr = guard
-            .construct_wr(wr_id, flags)
-            .setup_read(rkey, remote_addr);
-        // SAFETY: the caller guarantees the SGE's memory (see above).
-        unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
+        for w in wrs {
+            let flags = if w.signaled {
+                WorkRequestFlags::Signaled
+            } else {
+                WorkRequestFlags::none()
+            };
+            let wr = guard.construct_wr(w.wr_id, flags);
+            match w.op {
+                SendOp::SendImm { payload, imm } => {
+                    let wr = wr.setup_send_imm(imm.to_be());
+                    match payload {
+                        SendPayload::None => {}
+                        SendPayload::Inline(data) => wr.setup_inline_data(data),
+                        // SAFETY: the caller guarantees the SGE's memory.
+                        SendPayload::Sge(sge) => unsafe {
+                            wr.setup_sge(sge.lkey, sge.addr, sge.len)
+                        },
+                    }
+                }
+                SendOp::Read {
+                    local,
+                    remote_addr,
+                    rkey,
+                } => {
+                    let wr = wr.setup_read(rkey, remote_addr);
+                    // SAFETY: the caller guarantees the SGE's memory.
+                    unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
+                }
+            }
+        }
         guard.post().map_err(|e| Error::Verbs {
             op: "ibv_post_send",
             source: io::Error::other(e),
