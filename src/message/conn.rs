@@ -382,9 +382,43 @@ impl MsgConn {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Whether `poll_recv` has something to return.
+    fn recv_ready(st: &State) -> bool {
+        st.core.has_deliverable() || st.error.is_some() || st.peer_closed
+    }
+
+    /// With nothing to deliver: arm the CQ and register this task on the
+    /// completion channel itself, so an arriving message wakes the reader
+    /// without a hop through the driver task.
+    fn wait_recv<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        cx: &mut Context<'_>,
+    ) -> MutexGuard<'a, State> {
+        let events = st.qp.qp_ref().cq_events();
+        while !Self::recv_ready(&st) {
+            st.progress_and_arm();
+            if Self::recv_ready(&st) {
+                break;
+            }
+            match events.poll_read_ready(cx) {
+                Poll::Ready(Ok(mut guard)) => {
+                    st.qp.as_mut().take_events();
+                    guard.clear_ready();
+                }
+                // Pending: registered; an error: left to the driver.
+                _ => break,
+            }
+        }
+        st
+    }
+
     pub(crate) fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<io::Result<Option<PoolBytes>>> {
         let mut st = self.lock();
         st.progress();
+        if !Self::recv_ready(&st) {
+            st = self.wait_recv(st, cx);
+        }
         if let Some(d) = st.core.poll_recv() {
             let msg = match d {
                 Delivery::Eager { recv_buf_token, .. } => st.kept.remove(&recv_buf_token),

@@ -1570,6 +1570,14 @@ impl MessageCore {
         Some(delivery)
     }
 
+    /// Whether [`poll_recv`](MessageCore::poll_recv) would return a message.
+    pub fn has_deliverable(&self) -> bool {
+        matches!(
+            self.inbox.front(),
+            Some(Inbound::Eager { .. } | Inbound::Rendezvous { dest: Some(_), .. })
+        )
+    }
+
     /// Messages received (complete or not) and not yet taken.
     pub fn pending_recv(&self) -> usize {
         self.inbox.len()
