@@ -272,8 +272,11 @@ async fn wait_in_use_zero(pool: &MemoryPool) {
 async fn one_gib_message_arrives_intact_from_user_memory() {
     const GIB: usize = 1 << 30;
     let server_pool = rxe_pool(GIB + 64 * MIB, ExhaustedPolicy::Error);
-    let server_cfg = MessageConfig::new().pool(server_pool.clone());
-    let (client, server) = pair(&server_cfg, &MessageConfig::new()).await;
+    let server_cfg = MessageConfig::new()
+        .pool(server_pool.clone())
+        .max_message_len(GIB as u64);
+    let client_cfg = MessageConfig::new().max_message_len(GIB as u64);
+    let (client, server) = pair(&server_cfg, &client_cfg).await;
     let data = pattern(42, GIB);
     let want = crc(&data);
     // User memory registered for the send: no copy into the pool.

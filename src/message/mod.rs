@@ -78,7 +78,7 @@ impl Default for MessageConfig {
         MessageConfig {
             rdma: RdmaConfig::default(),
             eager_buf_len: 4096,
-            max_message_len: 1 << 30,
+            max_message_len: 128 << 20,
             max_read_len: 1 << 20,
             max_rendezvous_in_flight: 8,
             send_queue_limit: 256,
@@ -113,9 +113,14 @@ impl MessageConfig {
         self
     }
 
-    /// Largest message sent or accepted, bytes (default 1 GiB, at most
+    /// Largest message sent or accepted, bytes (default 128 MiB, at most
     /// 2^48). A larger send fails with `InvalidInput`; a peer announcing a
-    /// larger one is a protocol error (the endpoint aborts).
+    /// larger one is a protocol error (the endpoint aborts). The default is
+    /// half the default pool's bound (256 MiB), so a message of this size
+    /// always fits beside the receive buffers; for larger messages give
+    /// both sides a [`pool`](Self::pool) whose `max_registered_bytes` holds
+    /// them (a destination that can never fit waits, under the Wait policy,
+    /// like any allocation from an exhausted pool).
     pub fn max_message_len(mut self, bytes: u64) -> Self {
         self.max_message_len = bytes;
         self
