@@ -227,7 +227,10 @@ async fn main() {
     let ib_bw = perftest("ib_write_bw", &bw_args, addr, 18515)
         .await
         .and_then(|o| perftest_row(&o))
-        .and_then(|v| v.get(3).copied());
+        .and_then(|v| v.get(3).copied())
+        // perftest's "MB/sec" is MiB/s (its --help: "instead of MiB/sec");
+        // ours is 10^6 bytes/s.
+        .map(|mib_per_s| mib_per_s * 1.048576);
 
     // --- latency -------------------------------------------------------
     let busy = RdmaConfig::default().busy_poll(Duration::from_micros(args.busy_poll_us));
