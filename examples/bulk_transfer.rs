@@ -427,7 +427,8 @@ async fn client(addr: SocketAddr, send: SendArgs, file: Option<PathBuf>) -> Resu
     let start = Instant::now();
     let t = send_all(&ep, &mut src, send.message_size).await?;
     let secs = start.elapsed().as_secs_f64().max(1e-9);
-    drop(ep);
+    // Every message was taken; disconnect before the runtime shuts down.
+    ep.close().await.map_err(|e| format!("close: {e}"))?;
     println!(
         "sent {} messages, {} bytes, {}",
         t.messages,
@@ -436,9 +437,6 @@ async fn client(addr: SocketAddr, send: SendArgs, file: Option<PathBuf>) -> Resu
     );
     println!("{:.3} s, {}", secs, rate(&t, secs));
     eprintln!("{}", stats_line("client", &t.stats));
-    // The endpoint disconnects from its driver task once the last handle is
-    // gone; give it a moment before the runtime shuts down.
-    tokio::time::sleep(Duration::from_millis(100)).await;
     Ok(())
 }
 

@@ -62,7 +62,9 @@ async fn sizes_arrive_intact_in_order_and_in_pool_memory() {
             send_pattern(&client, i as u64, len).await;
         }
         client.flush().await.expect("flush");
-        client
+        let stats = client.stats();
+        client.close().await.expect("close");
+        stats
     });
     for (i, &len) in sizes.iter().enumerate() {
         let msg: PoolBytes = server.recv().await.expect("recv").expect("a message");
@@ -80,8 +82,7 @@ async fn sizes_arrive_intact_in_order_and_in_pool_memory() {
             assert_eq!(bytes.as_ptr(), msg.as_ptr(), "into_bytes does not copy");
         }
     }
-    let client = sender.await.unwrap();
-    let sent: MessageStats = client.stats();
+    let sent: MessageStats = sender.await.unwrap();
     assert_eq!(sent.messages_sent, 6);
     // 0, 1 and 4096 bytes go eagerly (eager_max 4096); the rest by
     // rendezvous.
@@ -91,8 +92,8 @@ async fn sizes_arrive_intact_in_order_and_in_pool_memory() {
     assert_eq!(got.messages_received, 6);
     assert_eq!(got.bytes_received, sizes.iter().sum::<usize>() as u64);
     assert_eq!(got.read_bytes, (4097 + MIB + 64 * MIB) as u64);
-    drop(client);
-    // The peer closed after everything arrived: end of stream.
+    // The peer closed (and `close` returned only once it had disconnected):
+    // end of stream.
     let end = tokio::time::timeout(Duration::from_secs(20), server.recv())
         .await
         .expect("end of stream in time");

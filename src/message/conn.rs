@@ -368,6 +368,8 @@ impl State {
 pub(crate) struct MsgConn {
     state: Mutex<State>,
     notify: Notify,
+    /// Set (`true`) by the driver once it disconnected.
+    closed: tokio::sync::watch::Sender<bool>,
     pub(crate) pool: MemoryPool,
     pub(crate) local_addr: SocketAddr,
     pub(crate) peer_addr: SocketAddr,
@@ -588,8 +590,22 @@ impl MsgConn {
         Ok(())
     }
 
+    /// Resolves once the driver has disconnected (every handle dropped
+    /// and every message taken, or the connection failed).
+    pub(crate) fn wait_closed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.closed.subscribe();
+        async move {
+            let _ = rx.wait_for(|closed| *closed).await;
+        }
+    }
+
     fn add_handle(&self) {
         self.lock().handles += 1;
+    }
+
+    /// Live application handles.
+    pub(crate) fn handles(&self) -> usize {
+        self.lock().handles
     }
 
     fn drop_handle(&self) {
@@ -639,6 +655,7 @@ pub(crate) fn spawn(
     let conn = Arc::new(MsgConn {
         state: Mutex::new(state),
         notify: Notify::new(),
+        closed: tokio::sync::watch::Sender::new(false),
         pool,
         local_addr,
         peer_addr,
@@ -715,6 +732,7 @@ async fn driver(conn: Arc<MsgConn>, id: CmId, linger: Duration) {
     }
     debug!("message endpoint closing");
     let _ = id.disconnect();
+    conn.closed.send_replace(true);
     {
         let mut st = conn.lock();
         st.closing = true;

@@ -442,6 +442,26 @@ impl MessageEndpoint {
         std::future::poll_fn(|cx| self.conn.poll_recv(cx)).await
     }
 
+    /// Closes this handle gracefully: waits until every message sent was
+    /// taken by the peer ([`flush`](Self::flush)), drops the handle and, if
+    /// it was the last one, waits until the endpoint has disconnected (the
+    /// peer's `recv` then returns `None`). With other clones alive the
+    /// connection stays open for them. Dropping instead of closing does the
+    /// same in the background (bounded by the linger timeout).
+    ///
+    /// # Errors
+    /// Those of [`flush`](Self::flush); the handle is dropped either way.
+    pub async fn close(self) -> io::Result<()> {
+        let flushed = self.flush().await;
+        let closed = self.conn.wait_closed();
+        let last = self.conn.handles() == 1;
+        drop(self);
+        if last {
+            closed.await;
+        }
+        flushed
+    }
+
     /// Aborts the endpoint: queued and unfinished messages are dropped and
     /// the peer sees `ConnectionReset` ([`Error::PeerAborted`], code 0).
     pub fn abort(&self) {
