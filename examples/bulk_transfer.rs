@@ -38,6 +38,10 @@ use tokio_rdma::pool::{MemoryPool, PoolConfig};
 use tokio_rdma::proto::message::MessageStats;
 use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, verbs};
 
+#[path = "shared/pattern.rs"]
+mod pattern;
+use pattern::{fill_pattern, parse_size};
+
 const MIB: u64 = 1 << 20;
 /// The default pool's bound on registered bytes (`PoolConfig::default`).
 const DEFAULT_POOL_BYTES: u64 = 256 * MIB;
@@ -112,53 +116,6 @@ struct SendArgs {
     /// compared).
     #[arg(long)]
     no_check: bool,
-}
-
-/// Parses `4096`, `64KiB`, `1MiB`, `1GiB` (also `K`/`M`/`G`, binary, and
-/// `KB`/`MB`/`GB`, decimal).
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("not a size: {s:?}"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "ki" | "kib" => 1 << 10,
-        "m" | "mi" | "mib" => 1 << 20,
-        "g" | "gi" | "gib" => 1 << 30,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        u => return Err(format!("unknown size unit {u:?} (use KiB, MiB or GiB)")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} overflows"))
-}
-
-/// Word `j` of the pattern (byte `o` of the stream is byte `o % 8` of word
-/// `o / 8`, little-endian).
-fn word(j: u64) -> u64 {
-    let x = j.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    x ^ (x >> 31)
-}
-
-/// Fills `buf` with the pattern bytes starting at stream offset `off`.
-fn fill_pattern(buf: &mut [u8], mut off: u64) {
-    let mut i = 0;
-    while i < buf.len() && off % 8 != 0 {
-        buf[i] = (word(off / 8) >> (8 * (off % 8))) as u8;
-        i += 1;
-        off += 1;
-    }
-    let mut words = buf[i..].chunks_exact_mut(8);
-    for w in words.by_ref() {
-        w.copy_from_slice(&word(off / 8).to_le_bytes());
-        off += 8;
-    }
-    for b in words.into_remainder() {
-        *b = (word(off / 8) >> (8 * (off % 8))) as u8;
-        off += 1;
-    }
 }
 
 /// The RDMA device whose GID table has `ip`.

@@ -1,0 +1,38 @@
+//! What `bulk_transfer` and `message_pingpong` share: size arguments and the
+//! deterministic payload pattern both sides of a transfer can regenerate.
+
+/// Parses a size argument: `4096`, `64KiB`, `1MiB`, `1GiB`, `1.5 MB`
+/// (binary and decimal units, as the `bytesize` crate reads them).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|e| format!("not a size: {s:?} ({e})"))
+}
+
+/// Word `j` of the pattern: byte `o` of the endless stream is byte `o % 8`
+/// (little-endian) of word `o / 8`; message `i` of size `n` is the bytes
+/// at offset `i * n`.
+pub fn word(j: u64) -> u64 {
+    let x = j.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^ (x >> 31)
+}
+
+/// Fills `buf` with the pattern bytes starting at stream offset `off`.
+pub fn fill_pattern(buf: &mut [u8], mut off: u64) {
+    let mut i = 0;
+    while i < buf.len() && off % 8 != 0 {
+        buf[i] = (word(off / 8) >> (8 * (off % 8))) as u8;
+        i += 1;
+        off += 1;
+    }
+    let mut words = buf[i..].chunks_exact_mut(8);
+    for w in words.by_ref() {
+        w.copy_from_slice(&word(off / 8).to_le_bytes());
+        off += 8;
+    }
+    for b in words.into_remainder() {
+        *b = (word(off / 8) >> (8 * (off % 8))) as u8;
+        off += 1;
+    }
+}
