@@ -26,7 +26,10 @@ use crate::proto::message::{
     ABORT_CODE_APPLICATION, Delivery, MessageCore, MessageError, MessageStats, MsgEvent,
     MsgTransmit, OutboundMessage, RecvDisposition, SendError, abort_code_reason,
 };
-use crate::stream::conn::{ConnError, Established};
+use crate::stream::conn::{ConnError, Counted, Established};
+
+/// One application handle on a message endpoint.
+pub(crate) type Handle = crate::stream::conn::Handle<MsgConn>;
 use crate::verbs::cm::{CmEventKind, CmId};
 use crate::verbs::msg::{MessageQp, PostedSge};
 use crate::verbs::rc::{Completion, RECV_WR_FLAG};
@@ -599,13 +602,15 @@ impl MsgConn {
         }
     }
 
-    fn add_handle(&self) {
-        self.lock().handles += 1;
-    }
-
     /// Live application handles.
     pub(crate) fn handles(&self) -> usize {
         self.lock().handles
+    }
+}
+
+impl Counted for MsgConn {
+    fn add_handle(&self) {
+        self.lock().handles += 1;
     }
 
     fn drop_handle(&self) {
@@ -744,33 +749,4 @@ async fn driver(conn: Arc<MsgConn>, id: CmId, linger: Duration) {
     // Buffers go back to the pool when the last handle's Arc drops (the QP
     // is destroyed first); rdma_destroy_id may block, so off the runtime.
     tokio::task::spawn_blocking(move || drop(id));
-}
-
-/// One application handle; the endpoint closes when the last one drops.
-pub(crate) struct Handle(Arc<MsgConn>);
-
-impl Handle {
-    /// Wraps the first handle (`spawn` counts it already).
-    pub(crate) fn first(conn: Arc<MsgConn>) -> Self {
-        Handle(conn)
-    }
-
-    /// Another handle on the same endpoint.
-    pub(crate) fn another(&self) -> Self {
-        self.0.add_handle();
-        Handle(Arc::clone(&self.0))
-    }
-}
-
-impl std::ops::Deref for Handle {
-    type Target = MsgConn;
-    fn deref(&self) -> &MsgConn {
-        &self.0
-    }
-}
-
-impl Drop for Handle {
-    fn drop(&mut self) {
-        self.0.drop_handle();
-    }
 }

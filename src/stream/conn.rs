@@ -360,21 +360,6 @@ impl Conn {
         self.nodelay.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn add_handle(&self) {
-        self.lock().handles += 1;
-    }
-
-    pub(crate) fn drop_handle(&self) {
-        let last = {
-            let mut st = self.lock();
-            st.handles -= 1;
-            st.handles == 0
-        };
-        if last {
-            self.notify.notify_one();
-        }
-    }
-
     pub(crate) fn poll_read(
         &self,
         cx: &mut Context<'_>,
@@ -753,13 +738,39 @@ impl Driver {
     }
 }
 
-/// One application handle on a connection (a stream or a half). The
-/// connection closes (FIN after the buffered data) when the last one drops.
-pub(crate) struct Handle(Arc<Conn>);
+/// A connection that counts its application handles (a stream or a half,
+/// a message endpoint or a clone of it).
+pub(crate) trait Counted {
+    /// One more handle.
+    fn add_handle(&self);
+    /// One handle less; the last one wakes the driver to close.
+    fn drop_handle(&self);
+}
 
-impl Handle {
+impl Counted for Conn {
+    fn add_handle(&self) {
+        self.lock().handles += 1;
+    }
+
+    fn drop_handle(&self) {
+        let last = {
+            let mut st = self.lock();
+            st.handles -= 1;
+            st.handles == 0
+        };
+        if last {
+            self.notify.notify_one();
+        }
+    }
+}
+
+/// One application handle on a connection. The connection closes (for a
+/// stream: FIN after the buffered data) when the last one drops.
+pub(crate) struct Handle<C: Counted = Conn>(Arc<C>);
+
+impl<C: Counted> Handle<C> {
     /// Wraps the first handle (`spawn` counts it already).
-    pub(crate) fn first(conn: Arc<Conn>) -> Self {
+    pub(crate) fn first(conn: Arc<C>) -> Self {
         Handle(conn)
     }
 
@@ -769,19 +780,19 @@ impl Handle {
         Handle(Arc::clone(&self.0))
     }
 
-    pub(crate) fn same_conn(&self, other: &Handle) -> bool {
+    pub(crate) fn same_conn(&self, other: &Handle<C>) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
     }
 }
 
-impl std::ops::Deref for Handle {
-    type Target = Conn;
-    fn deref(&self) -> &Conn {
+impl<C: Counted> std::ops::Deref for Handle<C> {
+    type Target = C;
+    fn deref(&self) -> &C {
         &self.0
     }
 }
 
-impl Drop for Handle {
+impl<C: Counted> Drop for Handle<C> {
     fn drop(&mut self) {
         self.0.drop_handle();
     }
