@@ -75,15 +75,18 @@ impl Setup for StreamSetup {
     }
 }
 
-/// Connects to the first address `addr` resolves to that accepts, like
-/// `TcpStream::connect`.
-pub(crate) async fn connect_any<S: Setup, A: tokio::net::ToSocketAddrs>(
-    addr: A,
-    setup: &S,
-) -> std::io::Result<S::Out> {
+/// Tries `attempt` on each address `addr` resolves to, in order, like
+/// `TcpStream::connect`/`TcpListener::bind`: the first success, else the
+/// last error (`InvalidInput` when nothing resolved).
+pub(crate) async fn first_resolved<A, T, F, Fut>(addr: A, mut attempt: F) -> std::io::Result<T>
+where
+    A: tokio::net::ToSocketAddrs,
+    F: FnMut(SocketAddr) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
     let mut last = None;
     for a in tokio::net::lookup_host(addr).await? {
-        match connect(a, setup).await {
+        match attempt(a).await {
             Ok(out) => return Ok(out),
             Err(e) => last = Some(e),
         }
@@ -94,6 +97,14 @@ pub(crate) async fn connect_any<S: Setup, A: tokio::net::ToSocketAddrs>(
             "could not resolve to any address",
         )
     }))
+}
+
+/// Connects to the first address `addr` resolves to that accepts.
+pub(crate) async fn connect_any<S: Setup, A: tokio::net::ToSocketAddrs>(
+    addr: A,
+    setup: &S,
+) -> std::io::Result<S::Out> {
+    first_resolved(addr, |a| connect(a, setup)).await
 }
 
 /// Connects to `addr` (bounded by the connect timeout).

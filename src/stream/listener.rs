@@ -15,7 +15,7 @@ use rdma_mummy_sys::ibv_qp_state;
 
 use super::RdmaStream;
 use super::conn::{self, Established};
-use super::connect::{Setup, StreamSetup};
+use super::connect::{Setup, StreamSetup, first_resolved};
 use crate::config::RdmaConfig;
 use crate::error::{Error, Result};
 use crate::proto::handshake::{Hello, RejectReason, encode_reject};
@@ -108,19 +108,10 @@ impl RdmaListener {
 impl<S: Setup> Listener<S> {
     /// Binds to the first address `addr` resolves to that works.
     pub(crate) async fn bind<A: ToSocketAddrs>(addr: A, setup: S) -> io::Result<Listener<S>> {
-        let mut last = None;
-        for a in tokio::net::lookup_host(addr).await? {
-            match Self::bind_one(a, setup.clone()) {
-                Ok(l) => return Ok(l),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.map(io::Error::from).unwrap_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "could not resolve to any address",
-            )
-        }))
+        first_resolved(addr, |a| {
+            std::future::ready(Self::bind_one(a, setup.clone()))
+        })
+        .await
     }
 
     fn bind_one(addr: SocketAddr, setup: S) -> Result<Listener<S>> {
