@@ -539,3 +539,32 @@ async fn receiver_killed_mid_rendezvous_is_an_error_and_leaks_nothing() {
     drop(client);
     wait_in_use_zero(&pool).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_inline_data_payloads_and_rts_headers_go_by_sge() {
+    let cfg = MessageConfig::new().connection(tokio_rdma::RdmaConfig::new().inline_threshold(0));
+    let (client, server) = pair(&cfg, &cfg).await;
+    // More rendezvous than send-queue slots' worth of scratch reuse, and
+    // small eager messages, none inline.
+    let sizes: Vec<usize> = (0..300)
+        .map(|i| if i % 3 == 0 { 8 } else { 5000 + i })
+        .collect();
+    let sender = {
+        let sizes = sizes.clone();
+        tokio::spawn(async move {
+            for (i, &len) in sizes.iter().enumerate() {
+                send_pattern(&client, i as u64, len).await;
+            }
+            client.flush().await.unwrap();
+            client.stats()
+        })
+    };
+    for (i, &len) in sizes.iter().enumerate() {
+        let msg = server.recv().await.unwrap().unwrap();
+        assert_eq!(msg[..], pattern(i as u64, len)[..], "message {i}");
+    }
+    let sent = sender.await.unwrap();
+    assert_eq!(sent.inline_sent, 0);
+    assert_eq!(sent.eager_sent, 100);
+    assert_eq!(sent.rendezvous_sent, 200);
+}

@@ -188,27 +188,6 @@ impl MessageQp {
 
     /// Posts what the core asked for, all of it with one doorbell.
     pub(crate) fn post(&mut self, batch: &[MsgTransmit]) -> Result<()> {
-        // RTS headers not sent inline go to the scratch slots first.
-        for t in batch {
-            if let MsgTransmitKind::Rts {
-                header,
-                inline: false,
-                ..
-            } = t.kind
-            {
-                // At most `send_depth` WRs are outstanding and wr_ids are
-                // consecutive, so slot `wr_id % send_depth` is not in use by
-                // another WR.
-                let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
-                self.qp
-                    .send_buf
-                    .write_at(off, &header)
-                    .map_err(|source| Error::Verbs {
-                        op: "RTS scratch",
-                        source,
-                    })?;
-            }
-        }
         let mut wrs = Vec::with_capacity(batch.len());
         let mut dests = Vec::with_capacity(batch.len());
         for t in batch {
@@ -255,7 +234,17 @@ impl MessageQp {
                     let payload = if *inline {
                         SendPayload::Inline(header)
                     } else {
+                        // At most `send_depth` WRs are outstanding and
+                        // wr_ids are consecutive, so slot `wr_id %
+                        // send_depth` is not in use by another WR.
                         let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
+                        self.qp
+                            .send_buf
+                            .write_at(off, header)
+                            .map_err(|source| Error::Verbs {
+                                op: "RTS scratch",
+                                source,
+                            })?;
                         SendPayload::Sge(Sge {
                             addr: self.qp.send_buf.addr() + off as u64,
                             len: RTS_HEADER_LEN as u32,
