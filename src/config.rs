@@ -5,6 +5,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::proto::ProtocolError;
 use crate::proto::stream::{StreamCore, StreamParams};
+use crate::verbs::rc::RcSizes;
 
 /// Per-connection settings. `Default` gives the values documented on each
 /// setter; pass a config with [`RdmaStream::connect_with`] or
@@ -118,6 +119,17 @@ impl RdmaConfig {
             inline_threshold: self.inline_threshold.min(max_inline),
             signal_interval: self.signal_interval,
             max_write_len: self.max_write_size,
+        }
+    }
+
+    /// Sizes of a byte stream's QP and registered buffers with this config.
+    pub(crate) fn stream_sizes(&self) -> RcSizes {
+        RcSizes {
+            send_depth: u32::from(self.send_queue_depth),
+            recv_depth: u32::from(self.recv_queue_depth),
+            max_inline: self.inline_threshold,
+            send_buf: self.send_buffer_size as usize,
+            recv_ring: self.ring_size as usize,
         }
     }
 

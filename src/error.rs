@@ -139,9 +139,9 @@ pub enum Error {
 
     /// A registered-memory pool operation failed (exhausted, too large,
     /// registration failed). Maps to the pool error's own kind
-    /// ([`PoolError::kind`](crate::pool::PoolError::kind)).
+    /// ([`PoolError::kind`]).
     #[error(transparent)]
-    Pool(#[from] crate::pool::PoolError),
+    Pool(#[from] PoolError),
 
     /// The peer actively refused the connection (no RDMA listener on that
     /// port: rdma_cm `REJECTED` with the IB CM "consumer reject" reason, or
@@ -151,9 +151,137 @@ pub enum Error {
         /// The address that was dialled.
         addr: SocketAddr,
     },
+
+    /// A work request completed with an error status (`ibv_wc_status`,
+    /// libibverbs' `enum ibv_wc_status`; [`wc_status_name`](Self::wc_status_name)
+    /// names it). `op` is the work the request did (`"RDMA WRITE"`,
+    /// `"SEND"`, `"RDMA READ"`, `"receive"`). Maps to
+    /// [`io::ErrorKind::ConnectionReset`] for the statuses that mean the peer
+    /// is gone (WR_FLUSH_ERR 5, RETRY_EXC_ERR 12, RNR_RETRY_EXC_ERR 13,
+    /// RESP_TIMEOUT_ERR 20), [`io::ErrorKind::InvalidData`] for
+    /// REM_ACCESS_ERR (10: the peer refused the address or key used, for
+    /// example a bogus rendezvous announcement) and
+    /// [`io::ErrorKind::ConnectionAborted`] for every other status.
+    #[error("{op} work request failed with ibv_wc_status {status} ({})", Error::wc_status_name(*status))]
+    WorkCompletion {
+        /// What the work request did.
+        op: &'static str,
+        /// The `ibv_wc_status` value.
+        status: u32,
+    },
+
+    /// The peer went away without closing the connection (rdma_cm
+    /// `DISCONNECTED` before its FIN, or in the middle of a message): the
+    /// TCP analogue is a reset. Maps to [`io::ErrorKind::ConnectionReset`].
+    #[error("the peer disconnected without closing the connection")]
+    PeerDisconnected,
+
+    /// rdma_cm reported `DEVICE_REMOVAL` for the connection's device. Maps
+    /// to [`io::ErrorKind::ConnectionAborted`].
+    #[error("the RDMA device of the connection was removed")]
+    DeviceRemoved,
+
+    /// A write after [`poll_shutdown`](tokio::io::AsyncWrite::poll_shutdown)
+    /// (or after the write half was dropped). Maps to
+    /// [`io::ErrorKind::BrokenPipe`], as a TCP socket after `shutdown(Write)`.
+    #[error("the stream was shut down for writing")]
+    WriteAfterShutdown,
+
+    /// The peer closed the connection cleanly, so nothing more can be sent
+    /// (a message endpoint whose peer closed, a stream write after the peer
+    /// disconnected). Maps to [`io::ErrorKind::BrokenPipe`].
+    #[error("the peer closed the connection")]
+    PeerClosed,
+
+    /// `shutdown` on a stream whose peer vanished without closing (the TCP
+    /// analogue is `shutdown(2)` on a reset socket). Maps to
+    /// [`io::ErrorKind::NotConnected`].
+    #[error("the peer disconnected before the stream was shut down")]
+    NotConnected,
+
+    /// This side aborted the connection
+    /// ([`MessageEndpoint::abort`](crate::MessageEndpoint::abort)). Maps to
+    /// [`io::ErrorKind::ConnectionAborted`].
+    #[error("the connection was aborted locally")]
+    LocalAbort,
+
+    /// Waiting on the peer took longer than the bound: the linger timeout
+    /// ([`RdmaConfig::linger`](crate::RdmaConfig::linger)) after the last
+    /// handle dropped or during `close`, with data the peer never took.
+    /// Maps to [`io::ErrorKind::TimedOut`].
+    #[error("the peer did not take the remaining data within {timeout:?}")]
+    LingerTimeout {
+        /// The bound that ran out.
+        timeout: std::time::Duration,
+    },
+
+    /// A broken internal invariant (a bug in tokio-rdma, never the peer's
+    /// doing). Maps to [`io::ErrorKind::Other`].
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl Error {
+    /// The name of an `ibv_wc_status` value (libibverbs' `verbs.h`), for
+    /// example `"RETRY_EXC_ERR"` for 12; `"unknown"` for values it does not
+    /// define.
+    pub fn wc_status_name(status: u32) -> &'static str {
+        const NAMES: [&str; 22] = [
+            "SUCCESS",
+            "LOC_LEN_ERR",
+            "LOC_QP_OP_ERR",
+            "LOC_EEC_OP_ERR",
+            "LOC_PROT_ERR",
+            "WR_FLUSH_ERR",
+            "MW_BIND_ERR",
+            "BAD_RESP_ERR",
+            "LOC_ACCESS_ERR",
+            "REM_INV_REQ_ERR",
+            "REM_ACCESS_ERR",
+            "REM_OP_ERR",
+            "RETRY_EXC_ERR",
+            "RNR_RETRY_EXC_ERR",
+            "LOC_RDD_VIOL_ERR",
+            "REM_INV_RD_REQ_ERR",
+            "REM_ABORT_ERR",
+            "INV_EECN_ERR",
+            "INV_EEC_STATE_ERR",
+            "FATAL_ERR",
+            "RESP_TIMEOUT_ERR",
+            "GENERAL_ERR",
+        ];
+        NAMES.get(status as usize).copied().unwrap_or("unknown")
+    }
+
+    /// The `tokio_rdma::Error` inside an `io::Error` returned by this crate,
+    /// if it has one: `e.get_ref()` downcast (note that
+    /// [`io::Error::source`](std::error::Error::source) skips it: std's
+    /// `io::Error` reports the *inner* error's source, not the inner error).
+    ///
+    /// ```
+    /// let e: std::io::Error = tokio_rdma::Error::NoDevice.into();
+    /// assert!(matches!(tokio_rdma::Error::from_io(&e), Some(tokio_rdma::Error::NoDevice)));
+    /// ```
+    pub fn from_io(e: &io::Error) -> Option<&Error> {
+        e.get_ref().and_then(|inner| inner.downcast_ref::<Error>())
+    }
+
+    /// Walks an error's source chain (through `io::Error`s, as hyper and
+    /// tonic wrap them) and returns the first `tokio_rdma::Error` found.
+    pub fn find<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a Error> {
+        let mut cur: Option<&'a (dyn std::error::Error + 'static)> = Some(e);
+        while let Some(err) = cur {
+            if let Some(found) = err.downcast_ref::<Error>() {
+                return Some(found);
+            }
+            if let Some(found) = err.downcast_ref::<io::Error>().and_then(Error::from_io) {
+                return Some(found);
+            }
+            cur = err.source();
+        }
+        None
+    }
+
     /// The [`io::ErrorKind`] this error maps onto.
     pub fn kind(&self) -> io::ErrorKind {
         match self {
@@ -175,12 +303,206 @@ impl Error {
                 Some(libc::ENODEV) => io::ErrorKind::NotFound,
                 _ => io::ErrorKind::HostUnreachable,
             },
+            Error::WorkCompletion { status, .. } => match status {
+                5 | 12 | 13 | 20 => io::ErrorKind::ConnectionReset,
+                10 => io::ErrorKind::InvalidData,
+                _ => io::ErrorKind::ConnectionAborted,
+            },
+            Error::PeerDisconnected => io::ErrorKind::ConnectionReset,
+            Error::DeviceRemoved | Error::LocalAbort => io::ErrorKind::ConnectionAborted,
+            Error::WriteAfterShutdown | Error::PeerClosed => io::ErrorKind::BrokenPipe,
+            Error::NotConnected => io::ErrorKind::NotConnected,
+            Error::LingerTimeout { .. } => io::ErrorKind::TimedOut,
+            Error::Internal(_) => io::ErrorKind::Other,
         }
     }
 }
 
 impl From<Error> for io::Error {
     fn from(err: Error) -> Self {
+        io::Error::new(err.kind(), err)
+    }
+}
+
+/// A copy of an `io::Error` that keeps its errno (or its kind and message).
+pub(crate) fn clone_io(e: &io::Error) -> io::Error {
+    match e.raw_os_error() {
+        Some(code) => io::Error::from_raw_os_error(code),
+        None => io::Error::new(e.kind(), e.to_string()),
+    }
+}
+
+/// Clones keep every field; an `io::Error` source keeps its errno, or its
+/// kind and message where it has none. A failed connection hands a clone
+/// to each waiter.
+impl Clone for Error {
+    fn clone(&self) -> Self {
+        match self {
+            Error::LibraryUnavailable { library } => Error::LibraryUnavailable { library },
+            Error::NoDevice => Error::NoDevice,
+            Error::NoDeviceForAddress { addr } => Error::NoDeviceForAddress { addr: *addr },
+            Error::DeviceNotFound { name } => Error::DeviceNotFound { name: name.clone() },
+            Error::Verbs { op, source } => Error::Verbs {
+                op,
+                source: clone_io(source),
+            },
+            Error::HandshakeRejected {
+                addr,
+                reason,
+                server_version,
+            } => Error::HandshakeRejected {
+                addr: *addr,
+                reason: *reason,
+                server_version: *server_version,
+            },
+            Error::Handshake(e) => Error::Handshake(e.clone()),
+            Error::Protocol(e) => Error::Protocol(e.clone()),
+            Error::Message(e) => Error::Message(e.clone()),
+            Error::PeerAborted { code, reason } => Error::PeerAborted {
+                code: *code,
+                reason,
+            },
+            Error::TimedOut { addr } => Error::TimedOut { addr: *addr },
+            Error::Unreachable { addr, source } => Error::Unreachable {
+                addr: *addr,
+                source: clone_io(source),
+            },
+            Error::InvalidConfig {
+                field,
+                value,
+                allowed,
+            } => Error::InvalidConfig {
+                field,
+                value: *value,
+                allowed,
+            },
+            Error::Pool(e) => Error::Pool(e.clone()),
+            Error::ConnectionRefused { addr } => Error::ConnectionRefused { addr: *addr },
+            Error::WorkCompletion { op, status } => Error::WorkCompletion {
+                op,
+                status: *status,
+            },
+            Error::PeerDisconnected => Error::PeerDisconnected,
+            Error::DeviceRemoved => Error::DeviceRemoved,
+            Error::WriteAfterShutdown => Error::WriteAfterShutdown,
+            Error::PeerClosed => Error::PeerClosed,
+            Error::NotConnected => Error::NotConnected,
+            Error::LocalAbort => Error::LocalAbort,
+            Error::LingerTimeout { timeout } => Error::LingerTimeout { timeout: *timeout },
+            Error::Internal(s) => Error::Internal(s.clone()),
+        }
+    }
+}
+
+impl Clone for PoolError {
+    fn clone(&self) -> Self {
+        match self {
+            PoolError::TooLarge { len, max_class } => PoolError::TooLarge {
+                len: *len,
+                max_class: *max_class,
+            },
+            PoolError::Exhausted {
+                class,
+                max_registered_bytes,
+            } => PoolError::Exhausted {
+                class: *class,
+                max_registered_bytes: *max_registered_bytes,
+            },
+            PoolError::Registration { len, source } => PoolError::Registration {
+                len: *len,
+                source: clone_io(source),
+            },
+            PoolError::InvalidConfig { reason } => PoolError::InvalidConfig { reason },
+            PoolError::EmptyRegion => PoolError::EmptyRegion,
+            PoolError::Device(e) => PoolError::Device(e.clone()),
+        }
+    }
+}
+
+/// An error from the memory pool or from registering user memory.
+///
+/// `#[non_exhaustive]`. Converts into [`io::Error`] with a deliberate
+/// [`io::ErrorKind`] (listed on each variant), keeping this value as the
+/// source so callers can downcast it back.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// `len` bytes were requested but the largest size class is `max_class`
+    /// bytes ([`PoolConfig::max_class_size`](crate::pool::PoolConfig::max_class_size)).
+    /// Maps to [`io::ErrorKind::InvalidInput`].
+    #[error(
+        "a buffer of {len} bytes is larger than the pool's largest size class ({max_class} bytes)"
+    )]
+    TooLarge {
+        /// The requested length in bytes.
+        len: usize,
+        /// The largest size class in bytes.
+        max_class: usize,
+    },
+
+    /// No free buffer of size class `class` bytes is left and registering
+    /// another slab would exceed `max_registered_bytes`. Returned by
+    /// [`MemoryPool::try_alloc`](crate::pool::MemoryPool::try_alloc) always, and by
+    /// [`MemoryPool::alloc`](crate::pool::MemoryPool::alloc) under
+    /// [`ExhaustedPolicy::Error`](crate::pool::ExhaustedPolicy::Error).
+    /// Maps to [`io::ErrorKind::OutOfMemory`].
+    #[error(
+        "memory pool exhausted: no free {class}-byte buffer and {max_registered_bytes} bytes already registered"
+    )]
+    Exhausted {
+        /// The size class (bytes) that had no free buffer.
+        class: usize,
+        /// The configured bound on registered bytes.
+        max_registered_bytes: u64,
+    },
+
+    /// Registering `len` bytes as a memory region failed (`ibv_reg_mr`, or
+    /// the heap allocation of a slab before it). Maps to the kind of `source`
+    /// (for example `OutOfMemory` for `ENOMEM`).
+    #[error("registering {len} bytes of memory failed: {source}")]
+    Registration {
+        /// The number of bytes that were to be registered.
+        len: usize,
+        /// The OS error reported.
+        #[source]
+        source: io::Error,
+    },
+
+    /// The [`PoolConfig`](crate::pool::PoolConfig) is inconsistent; `reason` says
+    /// which rule it breaks. Maps to [`io::ErrorKind::InvalidInput`].
+    #[error("invalid memory pool configuration: {reason}")]
+    InvalidConfig {
+        /// The rule the configuration breaks.
+        reason: &'static str,
+    },
+
+    /// User memory of zero bytes cannot be registered (libibverbs rejects
+    /// empty memory regions). Maps to [`io::ErrorKind::InvalidInput`].
+    #[error("cannot register an empty memory region")]
+    EmptyRegion,
+
+    /// Opening the RDMA device for [`MemoryPool::for_device`](crate::pool::MemoryPool::for_device)
+    /// failed. Maps to the kind of the inner error.
+    #[error("opening the RDMA device for the memory pool failed: {0}")]
+    Device(#[source] Box<crate::Error>),
+}
+
+impl PoolError {
+    /// The [`io::ErrorKind`] this error maps onto.
+    pub fn kind(&self) -> io::ErrorKind {
+        match self {
+            PoolError::TooLarge { .. }
+            | PoolError::InvalidConfig { .. }
+            | PoolError::EmptyRegion => io::ErrorKind::InvalidInput,
+            PoolError::Exhausted { .. } => io::ErrorKind::OutOfMemory,
+            PoolError::Registration { source, .. } => source.kind(),
+            PoolError::Device(e) => e.kind(),
+        }
+    }
+}
+
+impl From<PoolError> for io::Error {
+    fn from(err: PoolError) -> Self {
         io::Error::new(err.kind(), err)
     }
 }

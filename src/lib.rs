@@ -23,6 +23,7 @@
 #![deny(unsafe_code)]
 
 pub mod config;
+mod conn;
 pub mod error;
 pub mod message;
 #[allow(unsafe_code)]
@@ -43,8 +44,9 @@ pub use stream::{
     OwnedReadHalf, OwnedWriteHalf, RdmaListener, RdmaStream, ReadHalf, ReuniteError, WriteHalf,
 };
 
-/// Hooks for the guest test suite (feature `guest-tests`); not a stable API.
-#[cfg(feature = "guest-tests")]
+/// Hooks for the guest test suite, compiled only with `--cfg tokio_rdma_guest`
+/// (set by `scripts/test`, never by a Cargo feature); not an API.
+#[cfg(tokio_rdma_guest)]
 #[doc(hidden)]
 pub mod __testing {
     use std::net::SocketAddr;
@@ -55,7 +57,7 @@ pub mod __testing {
         addr: SocketAddr,
         private_data: &[u8],
     ) -> crate::Result<()> {
-        crate::stream::raw_connect(addr, private_data).await
+        crate::conn::setup::raw_connect(addr, private_data).await
     }
 
     /// Makes `endpoint` announce a rendezvous of `len` bytes at `addr` with

@@ -1,5 +1,9 @@
 //! Guest test (needs the Soft-RoCE guest: `integration/softroce run --
 //! integration/guest-suite`). Fails, never skips, without a device.
+//!
+//! Compiled only with `--cfg tokio_rdma_guest` (`scripts/test` sets it), so
+//! host builds (`cargo test --all-features` included) leave it empty.
+#![cfg(tokio_rdma_guest)]
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::process::Command;

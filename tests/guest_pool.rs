@@ -1,6 +1,10 @@
 //! Guest test of the registered memory pool and user-memory regions on a
 //! real verbs stack (needs the Soft-RoCE guest: `integration/softroce run --
 //! ...`). Fails, never skips, without a device.
+//!
+//! Compiled only with `--cfg tokio_rdma_guest` (`scripts/test` sets it), so
+//! host builds (`cargo test --all-features` included) leave it empty.
+#![cfg(tokio_rdma_guest)]
 
 use std::collections::HashSet;
 use std::io;

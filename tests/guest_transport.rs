@@ -11,7 +11,11 @@
 //! instead of 1000 `Framed` frames, because the guest's CPU is emulated
 //! (TCG, a few MB/s); TLS sends 1 MiB + 512 KiB instead of 3 + 2 MiB.
 //!
-//! Needs features `guest-tests`, `hyper`, `axum` and `tonic`.
+//! Needs features `hyper`, `axum` and `tonic`.
+//!
+//! Compiled only with `--cfg tokio_rdma_guest` (`scripts/test` sets it), so
+//! host builds (`cargo test --all-features` included) leave it empty.
+#![cfg(tokio_rdma_guest)]
 
 mod transport_suite;
 

@@ -10,43 +10,34 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::task::{Context, Poll};
 
-use tokio::sync::Notify;
-use tracing::{Instrument, debug, trace, warn};
+use tracing::{debug, trace, warn};
 
-use super::{MessageConfig, PreparedQp};
+use super::MessageConfig;
+use super::qp::{MessageQp, PostedSge};
+use crate::conn::{Driven, Established, Handle, Started, WakerList};
 use crate::error::{Error, Result};
 use crate::pool::{ExhaustedPolicy, MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolError};
 use crate::proto::message::{
     ABORT_CODE_APPLICATION, Delivery, MessageCore, MessageError, MessageStats, MsgEvent,
     MsgTransmit, OutboundMessage, RecvDisposition, SendError, abort_code_reason,
 };
-use crate::stream::conn::{ConnError, Counted, Established};
-
-/// One application handle on a message endpoint.
-pub(crate) type Handle = crate::stream::conn::Handle<MsgConn>;
-use crate::verbs::cm::{CmEventKind, CmId};
-use crate::verbs::msg::{MessageQp, PostedSge};
-use crate::verbs::rc::{Completion, RECV_WR_FLAG};
+use crate::verbs::rc::{Completion, RECV_WR_FLAG, RcQueuePair};
 
 const WC_SUCCESS: u32 = 0;
 const WC_WR_FLUSH_ERR: u32 = 5;
-const WC_REM_ACCESS_ERR: u32 = 10;
-
-/// How often a driver waiting for pool memory looks again even without a
-/// notification (a return can race with the waiter's registration).
-const MEMORY_RETRY: Duration = Duration::from_millis(5);
 
 /// Messages fed through `Sink::start_send` are posted together once this
 /// many are queued (or at `poll_flush`).
 const FEED_BATCH: usize = 32;
 
-pub(crate) struct State {
+/// A message endpoint's connection: the core's shared connection around a
+/// [`MsgState`].
+pub(crate) type MsgConn = crate::conn::shared::Shared<MsgState>;
+
+/// Everything behind the message endpoint's mutex.
+pub(crate) struct MsgState {
     core: MessageCore,
     qp: MessageQp,
     pool: MemoryPool,
@@ -59,23 +50,31 @@ pub(crate) struct State {
     /// Destination lengths requested by the core, oldest first.
     allocs: VecDeque<u64>,
     send_queue_limit: usize,
-    recv_waker: Option<Waker>,
-    send_waker: Option<Waker>,
-    flush_waker: Option<Waker>,
-    error: Option<ConnError>,
-    /// The peer disconnected (rdma_cm DISCONNECTED).
+    /// The bound on waiting for the peer (`RdmaConfig::linger`).
+    linger: std::time::Duration,
+    /// Tasks waiting in `recv` (and the `Stream` impl).
+    receivers: WakerList,
+    /// Tasks waiting for room in the send queue or for posting (`send`,
+    /// the `Sink`'s `poll_ready`/`poll_flush`).
+    senders: WakerList,
+    /// Tasks waiting for every message to be taken (`flush`, `close`,
+    /// `Sink::poll_close`).
+    flushers: WakerList,
+    /// The connection's error, once it failed.
+    error: Option<Error>,
+    /// The peer disconnected cleanly (rdma_cm DISCONNECTED with nothing of
+    /// ours left untaken and nothing of its own half-sent).
     peer_closed: bool,
     /// This side disconnected.
     closing: bool,
     /// Waiting for the pool to have memory again.
     need_memory: bool,
-    handles: usize,
     scratch: Vec<Completion>,
     /// Reused list of WRs posted together.
     batch: Vec<MsgTransmit>,
 }
 
-impl State {
+impl MsgState {
     fn token(&mut self) -> u64 {
         let t = self.next_token;
         self.next_token += 1;
@@ -83,29 +82,9 @@ impl State {
     }
 
     fn wake_all(&mut self) {
-        for w in [
-            self.recv_waker.take(),
-            self.send_waker.take(),
-            self.flush_waker.take(),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            w.wake();
-        }
-    }
-
-    fn fail(&mut self, err: ConnError) {
-        if self.error.is_none() {
-            debug!(error = ?err.to_io(), "message endpoint failed");
-            self.error = Some(err);
-        }
-        self.wake_all();
-    }
-
-    fn fail_with(&mut self, e: Error) {
-        let kind = e.kind();
-        self.fail(ConnError::new(kind, e.to_string()));
+        self.receivers.wake_all();
+        self.senders.wake_all();
+        self.flushers.wake_all();
     }
 
     fn dead(&self) -> bool {
@@ -114,7 +93,7 @@ impl State {
 
     /// The connection failed underneath: stop the QP, give every buffer
     /// back.
-    fn lost(&mut self, err: ConnError) {
+    fn lost(&mut self, err: Error) {
         self.fail(err);
         self.qp.as_mut().set_error();
         self.core.on_connection_lost();
@@ -122,7 +101,7 @@ impl State {
 
     fn protocol_error(&mut self, e: MessageError) {
         warn!(error = %e, "peer violated the message protocol; aborting");
-        self.fail_with(Error::Message(e));
+        self.fail(Error::Message(e));
     }
 
     fn on_completion(&mut self, wc: &Completion) {
@@ -143,32 +122,26 @@ impl State {
             if wc.status == WC_WR_FLUSH_ERR && self.dead() {
                 return;
             }
-            let err = if wc.status == WC_REM_ACCESS_ERR && !is_recv {
-                ConnError::new(
-                    io::ErrorKind::InvalidData,
-                    "RDMA READ of the peer's announced buffer failed with a remote access \
-                     error (ibv_wc_status 10): the range or rkey is not (or no longer) \
-                     registered for remote read at the peer: a bogus announcement, or a \
-                     peer that deregistered it, for example by exiting",
-                )
+            // REM_ACCESS_ERR on a READ: the announced range or rkey is not
+            // (or no longer) registered for remote read at the peer: a bogus
+            // announcement, or a peer that deregistered it by exiting.
+            let op = if is_recv {
+                "receive"
             } else {
-                ConnError::new(
-                    io::ErrorKind::ConnectionReset,
-                    format!(
-                        "work request failed with ibv_wc_status {} (peer gone?)",
-                        wc.status
-                    ),
-                )
+                "SEND or RDMA READ"
             };
-            self.lost(err);
+            self.lost(Error::WorkCompletion {
+                op,
+                status: wc.status,
+            });
             return;
         }
         if is_recv {
             let Some((token, buf)) = self.qp.take_recv(wc.wr_id, wc.byte_len) else {
-                self.fail_with(Error::Verbs {
-                    op: "message receive",
-                    source: io::Error::other(format!("completion for unknown wr_id {}", wc.wr_id)),
-                });
+                self.fail(Error::Internal(format!(
+                    "receive completion for unknown wr_id {}",
+                    wc.wr_id
+                )));
                 return;
             };
             match self.core.on_recv(wc.imm, wc.byte_len, token, &buf) {
@@ -179,31 +152,23 @@ impl State {
                 Ok(RecvDisposition::Release) => {
                     if !self.dead() {
                         if let Err(e) = self.qp.post_recvs(vec![(token, buf)]) {
-                            self.fail_with(e);
+                            self.fail(e);
                         }
                     }
                 }
                 Err(e) => self.protocol_error(e),
             }
             // A message arrived, or credit for blocked sends.
-            for w in [self.recv_waker.take(), self.send_waker.take()]
-                .into_iter()
-                .flatten()
-            {
-                w.wake();
-            }
+            self.receivers.wake_all();
+            self.senders.wake_all();
         } else {
             self.qp.send_completed(wc.wr_id);
             if let Err(e) = self.core.on_send_complete(wc.wr_id) {
-                self.fail_with(Error::Message(e));
+                self.fail(Error::Message(e));
             }
             // A completed READ may have finished a message for the reader.
-            for w in [self.send_waker.take(), self.recv_waker.take()]
-                .into_iter()
-                .flatten()
-            {
-                w.wake();
-            }
+            self.senders.wake_all();
+            self.receivers.wake_all();
         }
     }
 
@@ -214,13 +179,11 @@ impl State {
             match ev {
                 MsgEvent::SendDone { token } => {
                     self.qp.release_send(token);
-                    if let Some(w) = self.flush_waker.take() {
-                        w.wake();
-                    }
+                    self.flushers.wake_all();
                 }
                 MsgEvent::AllocateDestination { len } => self.allocs.push_back(len),
                 MsgEvent::Aborted { code } => {
-                    self.fail_with(Error::PeerAborted {
+                    self.fail(Error::PeerAborted {
                         code,
                         reason: abort_code_reason(code),
                     });
@@ -256,14 +219,14 @@ impl State {
                     break;
                 }
                 Err(e) => {
-                    self.fail_with(e.into());
+                    self.fail(e.into());
                     break;
                 }
             }
         }
         if !bufs.is_empty() {
             if let Err(e) = self.qp.post_recvs(bufs) {
-                self.fail_with(e);
+                self.fail(e);
             }
         }
         self.core.set_unposted_recvs(self.unposted);
@@ -284,7 +247,7 @@ impl State {
                     let t = self.token();
                     self.qp.add_dest(t, buf);
                     if let Err(e) = self.core.destination_ready(t) {
-                        self.fail_with(Error::Message(e));
+                        self.fail(Error::Message(e));
                     }
                 }
                 Err(PoolError::Exhausted { .. }) if self.exhausted_waits() => {
@@ -295,10 +258,7 @@ impl State {
                     self.allocs.clear();
                     warn!(len, error = %e, "no memory for an incoming message; aborting");
                     self.core.abort(ABORT_CODE_APPLICATION);
-                    self.fail(ConnError::new(
-                        io::ErrorKind::OutOfMemory,
-                        format!("could not allocate {len} bytes for an incoming message: {e}"),
-                    ));
+                    self.fail(Error::Pool(e));
                     break;
                 }
             }
@@ -324,10 +284,7 @@ impl State {
                 }
                 posted = !batch.is_empty();
                 if let Err(e) = self.qp.post(&batch) {
-                    self.lost(ConnError::new(
-                        io::ErrorKind::ConnectionAborted,
-                        e.to_string(),
-                    ));
+                    self.lost(e);
                 }
                 self.batch = batch;
             }
@@ -337,58 +294,87 @@ impl State {
         }
     }
 
-    /// Drains the CQ and does the follow-up work; returns completions seen.
-    pub(crate) fn progress(&mut self) -> usize {
+    /// Drains the CQ and does the follow-up work.
+    fn drain(&mut self) {
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
         if let Err(e) = self.qp.qp_ref().poll(&mut scratch) {
-            self.fail_with(e);
+            self.fail(e);
         }
         for wc in &scratch {
             self.on_completion(wc);
         }
-        let n = scratch.len();
         self.scratch = scratch;
         self.settle();
-        n
     }
 
-    /// Drain, arm, drain again (the channel is edge triggered).
-    fn progress_and_arm(&mut self) {
-        self.progress();
-        if let Err(e) = self.qp.qp_ref().arm() {
-            self.fail_with(e);
-        }
-        self.progress();
+    /// The bound on waiting for the peer.
+    pub(crate) fn linger(&self) -> std::time::Duration {
+        self.linger
     }
 
     fn error_io(&self) -> Option<io::Error> {
-        self.error.as_ref().map(ConnError::to_io)
+        self.error.clone().map(io::Error::from)
     }
 }
 
-/// The endpoint shared by handles and the driver.
-pub(crate) struct MsgConn {
-    state: Mutex<State>,
-    notify: Notify,
-    /// Set (`true`) by the driver once it disconnected.
-    closed: tokio::sync::watch::Sender<bool>,
-    pub(crate) pool: MemoryPool,
-    pub(crate) local_addr: SocketAddr,
-    pub(crate) peer_addr: SocketAddr,
-    pub(crate) qp_num: u32,
-    pub(crate) device: String,
-}
+impl Driven for MsgState {
+    fn qp(&self) -> &RcQueuePair {
+        self.qp.qp_ref()
+    }
 
-static ENDPOINT_IDS: AtomicU64 = AtomicU64::new(1);
+    fn qp_mut(&mut self) -> &mut RcQueuePair {
+        self.qp.as_mut()
+    }
+
+    fn progress(&mut self) {
+        self.drain();
+    }
+
+    fn fail(&mut self, err: Error) {
+        if self.error.is_none() {
+            debug!(error = %err, "message endpoint failed");
+            self.error = Some(err);
+        }
+        self.wake_all();
+    }
+
+    fn on_last_handle(&mut self) {}
+
+    fn finished(&self) -> bool {
+        self.error.is_some() || self.peer_closed || self.core.all_sent()
+    }
+
+    /// A clean close by the peer leaves nothing of ours untaken and nothing
+    /// of its own half-sent; anything else is a reset (as TCP's close with
+    /// unread data), an error for every waiter.
+    fn on_disconnected(&mut self) {
+        let clean =
+            self.core.all_sent() && self.qp.sends_held() == 0 && self.core.pending_recv() == 0;
+        self.qp.as_mut().set_error();
+        if clean {
+            self.peer_closed = true;
+            self.wake_all();
+        } else {
+            self.lost(Error::PeerDisconnected);
+        }
+    }
+
+    fn on_closed(&mut self) {
+        self.closing = true;
+        self.core.on_connection_lost();
+        self.handle_events();
+        self.wake_all();
+    }
+
+    fn waiting_for_memory(&self) -> Option<MemoryPool> {
+        self.need_memory.then(|| self.pool.clone())
+    }
+}
 
 impl MsgConn {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Whether `poll_recv` has something to return.
-    fn recv_ready(st: &State) -> bool {
+    fn recv_ready(st: &MsgState) -> bool {
         st.core.has_deliverable() || st.error.is_some() || st.peer_closed
     }
 
@@ -397,9 +383,9 @@ impl MsgConn {
     /// without a hop through the driver task.
     fn wait_recv<'a>(
         &'a self,
-        mut st: MutexGuard<'a, State>,
+        mut st: std::sync::MutexGuard<'a, MsgState>,
         cx: &mut Context<'_>,
-    ) -> MutexGuard<'a, State> {
+    ) -> std::sync::MutexGuard<'a, MsgState> {
         let events = st.qp.qp_ref().cq_events();
         while !Self::recv_ready(&st) {
             st.progress_and_arm();
@@ -411,7 +397,9 @@ impl MsgConn {
                     st.qp.as_mut().take_events();
                     guard.clear_ready();
                 }
-                // Pending: registered; an error: left to the driver.
+                // Pending: registered (only the latest task is kept there;
+                // the receiver list guarantees every task's wake-up); an
+                // error: left to the driver.
                 _ => break,
             }
         }
@@ -420,7 +408,7 @@ impl MsgConn {
 
     pub(crate) fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<io::Result<Option<PoolBytes>>> {
         let mut st = self.lock();
-        st.progress();
+        st.drain();
         if !Self::recv_ready(&st) {
             st = self.wait_recv(st, cx);
         }
@@ -438,37 +426,30 @@ impl MsgConn {
             st.settle();
             return Poll::Ready(match msg {
                 Some(buf) => Ok(Some(buf.freeze())),
-                None => Err(io::Error::other(format!(
-                    "message buffer {} missing",
-                    d.token()
-                ))),
+                None => {
+                    Err(Error::Internal(format!("message buffer {} missing", d.token())).into())
+                }
             });
         }
         if let Some(e) = st.error_io() {
             return Poll::Ready(Err(e));
         }
-        if st.peer_closed {
+        if st.peer_closed || st.closing {
             if st.core.pending_recv() > 0 {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::ConnectionReset,
-                    "the peer disconnected in the middle of a rendezvous",
-                )));
+                return Poll::Ready(Err(Error::PeerDisconnected.into()));
             }
             return Poll::Ready(Ok(None));
         }
-        st.recv_waker = Some(cx.waker().clone());
+        st.receivers.register(cx.waker());
         Poll::Pending
     }
 
-    fn send_error(st: &State) -> Option<io::Error> {
+    fn send_error(st: &MsgState) -> Option<io::Error> {
         if let Some(e) = st.error_io() {
             return Some(e);
         }
         if st.peer_closed || st.closing {
-            return Some(io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                "the peer closed the message endpoint",
-            ));
+            return Some(Error::PeerClosed.into());
         }
         None
     }
@@ -481,14 +462,14 @@ impl MsgConn {
         if st.core.queued() < st.send_queue_limit {
             return Poll::Ready(Ok(()));
         }
-        st.progress();
+        st.drain();
         if let Some(e) = Self::send_error(&st) {
             return Poll::Ready(Err(e));
         }
         if st.core.queued() < st.send_queue_limit {
             return Poll::Ready(Ok(()));
         }
-        st.send_waker = Some(cx.waker().clone());
+        st.senders.register(cx.waker());
         Poll::Pending
     }
 
@@ -514,7 +495,7 @@ impl MsgConn {
                 SendError::TooLong { .. } => io::Error::new(io::ErrorKind::InvalidInput, e),
                 _ => st
                     .error_io()
-                    .unwrap_or_else(|| io::Error::new(io::ErrorKind::ConnectionReset, e)),
+                    .unwrap_or_else(|| Error::PeerDisconnected.into()),
             });
         }
         if !defer || st.core.queued() >= FEED_BATCH {
@@ -527,33 +508,30 @@ impl MsgConn {
     /// flush: like a socket write, not an acknowledgement).
     pub(crate) fn poll_posted(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let mut st = self.lock();
-        st.progress();
+        st.drain();
         if let Some(e) = Self::send_error(&st) {
             return Poll::Ready(Err(e));
         }
         if st.core.queued() == 0 {
             return Poll::Ready(Ok(()));
         }
-        st.send_waker = Some(cx.waker().clone());
+        st.senders.register(cx.waker());
         Poll::Pending
     }
 
     pub(crate) fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let mut st = self.lock();
-        st.progress();
+        st.drain();
         if let Some(e) = st.error_io() {
             return Poll::Ready(Err(e));
         }
         if st.core.all_sent() && st.qp.sends_held() == 0 {
             return Poll::Ready(Ok(()));
         }
-        if st.peer_closed {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                "the peer closed before taking every message",
-            )));
+        if st.peer_closed || st.closing {
+            return Poll::Ready(Err(Error::PeerClosed.into()));
         }
-        st.flush_waker = Some(cx.waker().clone());
+        st.flushers.register(cx.waker());
         Poll::Pending
     }
 
@@ -561,10 +539,9 @@ impl MsgConn {
         let mut st = self.lock();
         st.core.abort(ABORT_CODE_APPLICATION);
         st.settle();
-        st.fail(ConnError::new(
-            io::ErrorKind::ConnectionAborted,
-            "the message endpoint was aborted locally",
-        ));
+        st.fail(Error::LocalAbort);
+        drop(st);
+        self.nudge();
     }
 
     pub(crate) fn stats(&self) -> MessageStats {
@@ -577,7 +554,7 @@ impl MsgConn {
 
     /// Queues a rendezvous announcement for memory this side does not own
     /// (test hook for a misbehaving peer).
-    #[cfg(feature = "guest-tests")]
+    #[cfg(tokio_rdma_guest)]
     pub(crate) fn send_forged_rts(&self, len: u64, addr: u64, rkey: u32) -> io::Result<()> {
         let mut st = self.lock();
         let token = st.token();
@@ -592,161 +569,43 @@ impl MsgConn {
         st.settle();
         Ok(())
     }
-
-    /// Resolves once the driver has disconnected (every handle dropped
-    /// and every message taken, or the connection failed).
-    pub(crate) fn wait_closed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let mut rx = self.closed.subscribe();
-        async move {
-            let _ = rx.wait_for(|closed| *closed).await;
-        }
-    }
-
-    /// Live application handles.
-    pub(crate) fn handles(&self) -> usize {
-        self.lock().handles
-    }
 }
 
-impl Counted for MsgConn {
-    fn add_handle(&self) {
-        self.lock().handles += 1;
-    }
-
-    fn drop_handle(&self) {
-        let last = {
-            let mut st = self.lock();
-            st.handles -= 1;
-            st.handles == 0
-        };
-        if last {
-            self.notify.notify_one();
-        }
-    }
-}
-
-/// Builds the shared endpoint and starts its driver task.
-pub(crate) fn spawn(
-    est: Established<PreparedQp>,
+/// Builds the endpoint's state and starts the connection's driver.
+pub(crate) fn start(
+    est: Established<super::PreparedQp>,
     core: MessageCore,
     cfg: &MessageConfig,
-) -> Result<Arc<MsgConn>> {
-    let local_addr = est.id.local_addr().unwrap_or(est.fallback_addr);
-    let peer_addr = est.id.peer_addr().unwrap_or(est.fallback_addr);
-    let PreparedQp { qp, pool, .. } = est.qp;
-    let qp_num = qp.qp_ref().qp_num();
+) -> Result<Handle<MsgState>> {
+    let super::PreparedQp { qp, pool, .. } = est.qp;
     let next_token = u64::from(cfg.rdma.recv_queue_depth) + 1;
-    let state = State {
+    let state = MsgState {
         core,
         qp,
-        pool: pool.clone(),
+        pool,
         eager_buf_len: cfg.eager_buf_len as usize,
         next_token,
         kept: HashMap::new(),
         unposted: 0,
         allocs: VecDeque::new(),
         send_queue_limit: cfg.send_queue_limit,
-        recv_waker: None,
-        send_waker: None,
-        flush_waker: None,
+        linger: cfg.rdma.linger,
+        receivers: WakerList::default(),
+        senders: WakerList::default(),
+        flushers: WakerList::default(),
         error: None,
         peer_closed: false,
         closing: false,
         need_memory: false,
-        handles: 1,
         scratch: Vec::with_capacity(64),
         batch: Vec::with_capacity(64),
     };
-    let conn = Arc::new(MsgConn {
-        state: Mutex::new(state),
-        notify: Notify::new(),
-        closed: tokio::sync::watch::Sender::new(false),
-        pool,
-        local_addr,
-        peer_addr,
-        qp_num,
+    Ok(crate::conn::start(Started {
+        state,
+        id: est.id,
         device: est.device,
-    });
-    let span = tracing::debug_span!(
-        "rdma_msg",
-        id = ENDPOINT_IDS.fetch_add(1, Ordering::Relaxed),
-        local = %local_addr,
-        peer = %peer_addr,
-        qp = qp_num
-    );
-    tokio::spawn(driver(Arc::clone(&conn), est.id, cfg.rdma.linger).instrument(span));
-    Ok(conn)
-}
-
-async fn driver(conn: Arc<MsgConn>, id: CmId, linger: Duration) {
-    debug!("message endpoint established");
-    let channel = Arc::clone(id.channel());
-    let cq_events = conn.lock().qp.qp_ref().cq_events();
-    let mut linger_deadline: Option<tokio::time::Instant> = None;
-    loop {
-        let (done, need_memory) = {
-            let mut st = conn.lock();
-            st.progress_and_arm();
-            if st.handles == 0 && linger_deadline.is_none() {
-                linger_deadline = Some(tokio::time::Instant::now() + linger);
-            }
-            let finished = st.error.is_some() || st.peer_closed || st.core.all_sent();
-            (st.handles == 0 && finished, st.need_memory)
-        };
-        if done {
-            break;
-        }
-        let pool = conn.pool.clone();
-        tokio::select! {
-            r = cq_events.readable() => {
-                let Ok(mut guard) = r else { break };
-                conn.lock().qp.as_mut().take_events();
-                guard.clear_ready();
-            }
-            ev = channel.next() => match ev {
-                Ok(ev) => {
-                    trace!(kind = ?ev.kind, "rdma_cm event");
-                    if matches!(ev.kind, CmEventKind::Disconnected | CmEventKind::DeviceRemoval) {
-                        let mut st = conn.lock();
-                        st.progress();
-                        st.peer_closed = true;
-                        st.qp.as_mut().set_error();
-                        st.wake_all();
-                    }
-                }
-                Err(e) => conn.lock().fail(ConnError::new(io::ErrorKind::ConnectionAborted, e.to_string())),
-            },
-            _ = conn.notify.notified() => {}
-            _ = async {
-                if need_memory {
-                    let _ = tokio::time::timeout(MEMORY_RETRY, pool.memory_returned()).await;
-                } else {
-                    std::future::pending::<()>().await;
-                }
-            } => {}
-            _ = async {
-                match linger_deadline {
-                    Some(d) => tokio::time::sleep_until(d).await,
-                    None => std::future::pending().await,
-                }
-            } => {
-                debug!("linger timeout: the peer did not take the remaining messages");
-                conn.lock().fail(ConnError::new(io::ErrorKind::TimedOut, "linger timeout"));
-            }
-        }
-    }
-    debug!("message endpoint closing");
-    let _ = id.disconnect();
-    conn.closed.send_replace(true);
-    {
-        let mut st = conn.lock();
-        st.closing = true;
-        st.qp.as_mut().set_error();
-        st.core.on_connection_lost();
-        st.handle_events();
-        st.wake_all();
-    }
-    // Buffers go back to the pool when the last handle's Arc drops (the QP
-    // is destroyed first); rdma_destroy_id may block, so off the runtime.
-    tokio::task::spawn_blocking(move || drop(id));
+        fallback_addr: est.fallback_addr,
+        linger: cfg.rdma.linger,
+        kind: "message",
+    }))
 }

@@ -33,6 +33,8 @@
 //! middle of a rendezvous is an error, not an end.
 
 mod conn;
+#[allow(unsafe_code)]
+mod qp;
 
 use std::io;
 use std::net::SocketAddr;
@@ -44,21 +46,19 @@ use futures::{Sink, Stream};
 use tokio::net::ToSocketAddrs;
 
 use crate::config::RdmaConfig;
+use crate::conn::{Established, Handle, Listener, Setup};
 use crate::error::{Error, Result};
 use crate::pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolConfig};
 use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::message::{
     MAX_MESSAGE_LEN, MessageCore, MessageError, MessageParams, RTS_HEADER_LEN,
 };
-use crate::stream::conn::Established;
-use crate::stream::connect::{self, Setup};
-use crate::stream::listener::Listener;
 use crate::verbs::cm::CmId;
-use crate::verbs::msg::MessageQp;
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
 
-pub use crate::verbs::msg::PostedSge;
-use conn::MsgConn;
+use conn::MsgState;
+use qp::MessageQp;
+pub use qp::PostedSge;
 
 /// Settings of a message endpoint. `Default` gives the values documented
 /// on each setter.
@@ -258,7 +258,7 @@ impl AsMut<RcQueuePair> for PreparedQp {
 }
 
 impl Setup for MessageSetup {
-    type Out = Arc<MsgConn>;
+    type Out = (Handle<MsgState>, MemoryPool);
     type Qp = PreparedQp;
     const KIND: EndpointKind = EndpointKind::Message;
 
@@ -328,13 +328,14 @@ impl Setup for MessageSetup {
         })
     }
 
-    fn finish(&self, est: Established<PreparedQp>) -> Result<Arc<MsgConn>> {
+    fn finish(&self, est: Established<PreparedQp>) -> Result<(Handle<MsgState>, MemoryPool)> {
         let max_inline = est.qp.qp.qp_ref().max_inline();
         let params = self
             .0
             .params(est.peer.ring_len, est.peer.recv_depth, max_inline);
         let core = MessageCore::new(params)?;
-        conn::spawn(est, core, &self.0)
+        let pool = est.qp.pool.clone();
+        Ok((conn::start(est, core, &self.0)?, pool))
     }
 }
 
@@ -345,7 +346,8 @@ impl Setup for MessageSetup {
 /// one task may send while another receives. Implements [`Stream`] of
 /// received messages and [`Sink`] of [`OutgoingMessage`]s.
 pub struct MessageEndpoint {
-    conn: conn::Handle,
+    conn: Handle<MsgState>,
+    pool: MemoryPool,
 }
 
 impl std::fmt::Debug for MessageEndpoint {
@@ -362,6 +364,7 @@ impl Clone for MessageEndpoint {
     fn clone(&self) -> Self {
         MessageEndpoint {
             conn: self.conn.another(),
+            pool: self.pool.clone(),
         }
     }
 }
@@ -385,10 +388,8 @@ impl MessageEndpoint {
         config: &MessageConfig,
     ) -> io::Result<MessageEndpoint> {
         config.validate()?;
-        let conn = connect::connect_any(addr, &MessageSetup(config.clone())).await?;
-        Ok(MessageEndpoint {
-            conn: conn::Handle::first(conn),
-        })
+        let (conn, pool) = crate::conn::connect_any(addr, &MessageSetup(config.clone())).await?;
+        Ok(MessageEndpoint { conn, pool })
     }
 
     /// Queues `msg` for sending, without copying its payload: the NIC reads
@@ -447,17 +448,33 @@ impl MessageEndpoint {
     /// it was the last one, waits until the endpoint has disconnected (the
     /// peer's `recv` then returns `None`). With other clones alive the
     /// connection stays open for them. Dropping instead of closing does the
-    /// same in the background (bounded by the linger timeout).
+    /// same in the background.
+    ///
+    /// Bounded: waits at most [`RdmaConfig::linger`] (default 60 s) for the
+    /// peer to take what was sent; at that bound it aborts the endpoint (the
+    /// peer sees `ConnectionReset`) and returns `TimedOut`
+    /// ([`Error::LingerTimeout`]). A peer that stopped reading or is stopped
+    /// (SIGSTOP) never makes `close` hang.
     ///
     /// # Errors
-    /// Those of [`flush`](Self::flush); the handle is dropped either way.
+    /// Those of [`flush`](Self::flush), and `TimedOut` at the bound; the
+    /// handle is dropped either way.
     pub async fn close(self) -> io::Result<()> {
-        let flushed = self.flush().await;
+        let linger = self.conn.lock().linger();
+        let flushed = match tokio::time::timeout(linger, self.flush()).await {
+            Ok(r) => r,
+            Err(_) => {
+                self.conn.abort();
+                Err(Error::LingerTimeout { timeout: linger }.into())
+            }
+        };
         let closed = self.conn.wait_closed();
         let last = self.conn.handles() == 1;
         drop(self);
         if last {
-            closed.await;
+            // Everything was taken or the endpoint failed: the driver
+            // disconnects at once; the bound is only a safety net.
+            let _ = tokio::time::timeout(linger, closed).await;
         }
         flushed
     }
@@ -471,7 +488,7 @@ impl MessageEndpoint {
     /// The pool this endpoint's receive buffers come from; allocate send
     /// buffers from it so they are registered on the right device.
     pub fn pool(&self) -> &MemoryPool {
-        &self.conn.pool
+        &self.pool
     }
 
     /// The local address (IP and rdma_cm port).
@@ -500,7 +517,7 @@ impl MessageEndpoint {
         self.conn.stats()
     }
 
-    #[cfg(feature = "guest-tests")]
+    #[cfg(tokio_rdma_guest)]
     pub(crate) fn forge_rts(&self, len: u64, addr: u64, rkey: u32) -> io::Result<()> {
         self.conn.send_forged_rts(len, addr, rkey)
     }
@@ -594,14 +611,7 @@ impl MessageListener {
     pub async fn accept(&self) -> io::Result<(MessageEndpoint, SocketAddr)> {
         std::future::poll_fn(|cx| self.inner.poll_accept(cx))
             .await
-            .map(|(c, a)| {
-                (
-                    MessageEndpoint {
-                        conn: conn::Handle::first(c),
-                    },
-                    a,
-                )
-            })
+            .map(|((conn, pool), a)| (MessageEndpoint { conn, pool }, a))
     }
 
     /// The bound address, with the actual port.

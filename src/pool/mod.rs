@@ -34,7 +34,7 @@
 //! or when the pool reclaims a slab none of whose buffers is in use.
 
 mod buf;
-mod error;
+
 mod region;
 mod registrar;
 #[cfg(test)]
@@ -51,8 +51,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tokio::sync::Notify;
 
+pub use crate::error::PoolError;
 pub use buf::{OutgoingMessage, PoolBuf, PoolBytes};
-pub use error::PoolError;
 pub use region::RegisteredRegion;
 pub use registrar::{Access, FakeRegistrar, Registrar, Registration};
 

@@ -7,11 +7,8 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
-use sideway::ibverbs::AccessFlags;
-use sideway::ibverbs::memory_region::{MemoryRegion, RegisterMemoryRegionErrorKind};
-
-use super::PoolError;
-use crate::verbs::rc::OpenDevice;
+use crate::error::PoolError;
+use crate::verbs::rc::{MemoryRegistration, MrAccess, OpenDevice};
 
 /// What the NIC may do with registered memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -60,24 +57,18 @@ pub trait Registrar: Send + Sync + 'static {
     ) -> Result<Box<dyn Registration>, PoolError>;
 }
 
-/// `ibv_reg_mr` on an opened device's protection domain.
+/// `ibv_reg_mr` on an opened device's protection domain (through the
+/// verbs layer).
 pub(crate) struct VerbsRegistrar {
     pub(crate) device: Arc<OpenDevice>,
 }
 
-struct VerbsRegistration {
-    mr: Arc<MemoryRegion>,
-    // Keeps the device context open while the MR lives (the MR itself holds
-    // the PD).
-    _device: Arc<OpenDevice>,
-}
-
-impl Registration for VerbsRegistration {
+impl Registration for MemoryRegistration {
     fn lkey(&self) -> u32 {
-        self.mr.lkey()
+        MemoryRegistration::lkey(self)
     }
     fn rkey(&self) -> u32 {
-        self.mr.rkey()
+        MemoryRegistration::rkey(self)
     }
 }
 
@@ -88,29 +79,15 @@ impl Registrar for VerbsRegistrar {
         len: usize,
         access: Access,
     ) -> Result<Box<dyn Registration>, PoolError> {
-        let flags = match access {
-            Access::ReadWrite => {
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead
-            }
-            Access::ReadOnly => AccessFlags::RemoteRead,
+        let access = match access {
+            Access::ReadWrite => MrAccess::LocalRemoteReadWrite,
+            Access::ReadOnly => MrAccess::RemoteRead,
         };
-        // SAFETY: the caller guarantees `ptr` is valid for `len` bytes (and
-        // writable when `access` allows writes) until the returned
-        // registration, which owns the MR, is dropped.
-        let mr =
-            unsafe { self.device.pd.reg_mr(ptr.as_ptr() as usize, len, flags) }.map_err(|e| {
-                PoolError::Registration {
-                    len,
-                    source: match e.0 {
-                        RegisterMemoryRegionErrorKind::Ibverbs(io) => io,
-                        other => io::Error::other(other),
-                    },
-                }
-            })?;
-        Ok(Box::new(VerbsRegistration {
-            mr,
-            _device: Arc::clone(&self.device),
-        }))
+        // SAFETY: the caller of `register` gives the same guarantee that
+        // `MemoryRegistration::new` needs (memory valid until dropped).
+        let mr = unsafe { MemoryRegistration::new(&self.device, ptr, len, access) }
+            .map_err(|source| PoolError::Registration { len, source })?;
+        Ok(Box::new(mr))
     }
 }
 

@@ -1,61 +1,45 @@
-//! The connection runtime: shared state between the application's
-//! [`RdmaStream`](super::RdmaStream) handles and a background driver task.
+//! The byte stream's part of a connection: its [`StreamState`] (the
+//! [`StreamCore`], the QP with its ring and send buffer, the receive
+//! backlog and the waiters) and the stream operations on the shared
+//! connection. Connection setup, the handles and the driver are the
+//! connection core's ([`crate::conn`]).
 //!
-//! The driver owns receive progress: it drains the completion queue,
-//! reposts receive WRs, moves arrived bytes out of the ring (up to
+//! Receive progress never waits for `poll_read`: whoever holds the lock (the
+//! driver on every completion event, or an application call) drains the
+//! CQ, reposts receive WRs, moves arrived bytes out of the ring (up to
 //! `recv_buffer_limit`), returns credit and posts what the application wrote
-//! while credit was short. None of it waits for `poll_read`. The application
-//! side copies into the registered send buffer and posts directly from
-//! `poll_write` (no task hop on the fast path).
+//! while credit was short. The application side copies into the registered
+//! send buffer and posts directly from `poll_write` (no task hop on the fast
+//! path).
 
 use std::collections::VecDeque;
 use std::io;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::sync::MutexGuard;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use tokio::sync::Notify;
-use tracing::{Instrument, debug, trace, warn};
+use tracing::{debug, warn};
 
 use crate::config::RdmaConfig;
+use crate::conn::{Driven, Established, Handle, Started, WakerList};
 use crate::error::{Error, Result};
 use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::stream::{RecvEvent, StreamCore, Transmit, TransmitKind};
 use crate::proto::{ProtocolError, WriteError};
 use crate::stats::ConnectionStats;
-use crate::verbs::cm::{CmEventKind, CmId};
-use crate::verbs::rc::{Completion, OpenDevice, RcQueuePair, RcSizes, WcKind};
+use crate::verbs::rc::{Completion, RcQueuePair, WcKind};
 
-/// `ibv_wc_status` values the driver distinguishes.
+/// `ibv_wc_status` values the stream distinguishes.
 const WC_SUCCESS: u32 = 0;
 const WC_WR_FLUSH_ERR: u32 = 5;
-const WC_RETRY_EXC_ERR: u32 = 12;
-const WC_RNR_RETRY_EXC_ERR: u32 = 13;
 
-/// Why the connection is unusable, kept to build fresh `io::Error`s.
-#[derive(Debug, Clone)]
-pub(crate) struct ConnError {
-    kind: io::ErrorKind,
-    msg: String,
-}
+/// A stream connection: the core's shared connection around a
+/// [`StreamState`].
+pub(crate) type Conn = crate::conn::shared::Shared<StreamState>;
 
-impl ConnError {
-    pub(crate) fn new(kind: io::ErrorKind, msg: impl Into<String>) -> Self {
-        ConnError {
-            kind,
-            msg: msg.into(),
-        }
-    }
-    pub(crate) fn to_io(&self) -> io::Error {
-        io::Error::new(self.kind, self.msg.clone())
-    }
-}
-
-/// Everything behind the connection's mutex.
-pub(crate) struct State {
+/// Everything behind the stream connection's mutex.
+pub(crate) struct StreamState {
     core: StreamCore,
     qp: RcQueuePair,
     peer_ring_addr: u64,
@@ -66,45 +50,36 @@ pub(crate) struct State {
     /// Arrived ring segments (offset, len) not yet moved or read, in order.
     ring_pending: VecDeque<(u32, u32)>,
     recv_buffer_limit: usize,
-    read_waker: Option<Waker>,
-    write_waker: Option<Waker>,
-    error: Option<ConnError>,
+    /// Tasks waiting in `poll_read`.
+    readers: WakerList,
+    /// Tasks waiting in `poll_write`/`poll_flush`.
+    writers: WakerList,
+    /// The connection's error, once it failed.
+    error: Option<Error>,
     /// The peer disconnected (rdma_cm DISCONNECTED) or the QP failed.
     peer_gone: bool,
-    /// Number of live application handles (stream or halves).
-    handles: usize,
-    pub(crate) stats: ConnectionStats,
+    busy_poll: Duration,
+    nodelay: bool,
+    stats: ConnectionStats,
     /// Reused buffer for polled completions.
     scratch: Vec<Completion>,
 }
 
-impl State {
+impl StreamState {
     fn wake_all(&mut self) {
-        if let Some(w) = self.read_waker.take() {
-            w.wake();
-        }
-        if let Some(w) = self.write_waker.take() {
-            w.wake();
-        }
+        self.readers.wake_all();
+        self.writers.wake_all();
     }
 
-    fn fail(&mut self, err: ConnError) {
-        if self.error.is_none() {
-            debug!(kind = ?err.kind, msg = %err.msg, "connection failed");
-            self.stats.errors += 1;
-            self.error = Some(err);
-        }
-        self.wake_all();
+    fn err_io(&self) -> Option<io::Error> {
+        self.error.clone().map(io::Error::from)
     }
 
     /// Posts every work request the core has ready.
     fn transmit(&mut self) {
         while let Some(t) = self.core.poll_transmit() {
             if let Err(e) = self.post(&t) {
-                self.fail(ConnError::new(
-                    io::ErrorKind::ConnectionAborted,
-                    e.to_string(),
-                ));
+                self.fail(e);
                 return;
             }
         }
@@ -149,11 +124,11 @@ impl State {
                 break;
             };
             let mut buf = BytesMut::zeroed(len as usize);
-            if let Err(e) = self.qp.recv_ring.read_at(off as usize, &mut buf) {
-                self.fail(ConnError::new(
-                    io::ErrorKind::ConnectionAborted,
-                    e.to_string(),
-                ));
+            if let Err(source) = self.qp.recv_ring.read_at(off as usize, &mut buf) {
+                self.fail(Error::Verbs {
+                    op: "receive ring copy",
+                    source,
+                });
                 return;
             }
             self.core.consume(len as usize);
@@ -169,20 +144,16 @@ impl State {
             if wc.status == WC_WR_FLUSH_ERR && (self.peer_gone || self.error.is_some()) {
                 return 0;
             }
-            let kind = match wc.status {
-                WC_RETRY_EXC_ERR | WC_RNR_RETRY_EXC_ERR | WC_WR_FLUSH_ERR => {
-                    io::ErrorKind::ConnectionReset
-                }
-                _ => io::ErrorKind::ConnectionAborted,
-            };
             self.peer_gone = true;
-            self.fail(ConnError::new(
-                kind,
-                format!(
-                    "work request failed with ibv_wc_status {} (peer gone?)",
-                    wc.status
-                ),
-            ));
+            self.core.on_connection_lost();
+            let op = match wc.kind {
+                WcKind::RecvImm | WcKind::Recv => "receive",
+                _ => "RDMA WRITE WITH IMM",
+            };
+            self.fail(Error::WorkCompletion {
+                op,
+                status: wc.status,
+            });
             return 0;
         }
         match wc.kind {
@@ -190,9 +161,7 @@ impl State {
                 if let Err(e) = self.core.on_send_complete(wc.wr_id) {
                     self.protocol_error(e);
                 }
-                if let Some(w) = self.write_waker.take() {
-                    w.wake();
-                }
+                self.writers.wake_all();
                 0
             }
             WcKind::RecvImm => {
@@ -201,22 +170,17 @@ impl State {
                     Ok(RecvEvent::Data { offset, len }) => {
                         self.stats.bytes_received += u64::from(len);
                         self.ring_pending.push_back((offset, len));
-                        if let Some(w) = self.read_waker.take() {
-                            w.wake();
-                        }
+                        self.readers.wake_all();
                     }
-                    Ok(RecvEvent::Fin) => {
-                        if let Some(w) = self.read_waker.take() {
-                            w.wake();
-                        }
-                    }
+                    Ok(RecvEvent::Fin) => self.readers.wake_all(),
                     Ok(RecvEvent::Abort { code }) => {
-                        self.fail(ConnError::new(
-                            io::ErrorKind::ConnectionReset,
-                            format!("connection aborted by peer (code {code})"),
-                        ));
+                        self.fail(Error::PeerAborted {
+                            code,
+                            reason: "the peer aborted the stream",
+                        });
                     }
-                    Ok(_) => {}
+                    // Credit: blocked writers may go on.
+                    Ok(_) => self.writers.wake_all(),
                     Err(e) => self.protocol_error(e),
                 }
                 1
@@ -227,27 +191,8 @@ impl State {
 
     fn protocol_error(&mut self, e: ProtocolError) {
         warn!(error = %e, "peer violated the stream protocol; aborting");
-        self.fail(ConnError::new(
-            io::ErrorKind::InvalidData,
-            Error::Protocol(e).to_string(),
-        ));
+        self.fail(Error::Protocol(e));
         self.transmit(); // best-effort ABORT queued by the core
-    }
-
-    /// Drains the CQ and does all follow-up work. Returns completions seen.
-    /// Drain, arm, drain again: completion channels are edge triggered, so
-    /// a completion that lands between the drain and the arm would otherwise
-    /// never raise an event.
-    pub(crate) fn progress_and_arm(&mut self) -> usize {
-        let mut n = self.progress();
-        if let Err(e) = self.qp.arm() {
-            self.fail(ConnError::new(
-                io::ErrorKind::ConnectionAborted,
-                e.to_string(),
-            ));
-        }
-        n += self.progress();
-        n
     }
 
     /// Whether `poll_read` has something to return (data, EOF or an error).
@@ -259,76 +204,92 @@ impl State {
             || self.peer_gone
     }
 
-    pub(crate) fn progress(&mut self) -> usize {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        let n = self.progress_with(&mut scratch);
-        self.scratch = scratch;
-        n
-    }
-
-    fn progress_with(&mut self, scratch: &mut Vec<Completion>) -> usize {
+    fn progress_with(&mut self, scratch: &mut Vec<Completion>) {
         scratch.clear();
         if let Err(e) = self.qp.poll(scratch) {
-            self.fail(ConnError::new(
-                io::ErrorKind::ConnectionAborted,
-                e.to_string(),
-            ));
-            return 0;
+            self.fail(e);
+            return;
         }
-        let n = scratch.len();
         let mut repost = 0;
         for wc in scratch.iter() {
             repost += self.on_completion(wc);
         }
         if repost > 0 && self.error.is_none() && !self.peer_gone {
             if let Err(e) = self.qp.post_recvs(repost) {
-                self.fail(ConnError::new(
-                    io::ErrorKind::ConnectionAborted,
-                    e.to_string(),
-                ));
+                self.fail(e);
             }
         }
         self.drain_ring();
         if self.error.is_none() {
             self.transmit();
         }
-        n
     }
 }
 
-/// The connection shared by handles and the driver.
-pub(crate) struct Conn {
-    pub(crate) state: Mutex<State>,
-    /// Wakes the driver (handle dropped, or work to re-check).
-    notify: Notify,
-    pub(crate) local_addr: SocketAddr,
-    pub(crate) peer_addr: SocketAddr,
-    pub(crate) qp_num: u32,
-    pub(crate) device: String,
-    busy_poll: std::time::Duration,
-    nodelay: std::sync::atomic::AtomicBool,
-}
+impl Driven for StreamState {
+    fn qp(&self) -> &RcQueuePair {
+        &self.qp
+    }
 
-static CONN_IDS: AtomicU64 = AtomicU64::new(1);
+    fn qp_mut(&mut self) -> &mut RcQueuePair {
+        &mut self.qp
+    }
+
+    fn progress(&mut self) {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        self.progress_with(&mut scratch);
+        self.scratch = scratch;
+    }
+
+    fn fail(&mut self, err: Error) {
+        if self.error.is_none() {
+            debug!(error = %err, "connection failed");
+            self.stats.errors += 1;
+            self.error = Some(err);
+        }
+        self.wake_all();
+    }
+
+    /// Close like TCP: FIN after the buffered data.
+    fn on_last_handle(&mut self) {
+        if self.error.is_none() && !self.peer_gone {
+            self.core.shutdown();
+            self.transmit();
+        }
+    }
+
+    fn finished(&self) -> bool {
+        self.error.is_some() || self.peer_gone || self.core.all_sent()
+    }
+
+    fn on_disconnected(&mut self) {
+        self.peer_gone = true;
+        self.core.on_connection_lost();
+        self.qp.set_error();
+        self.wake_all();
+    }
+
+    fn on_closed(&mut self) {
+        self.core.on_connection_lost();
+        self.wake_all();
+    }
+}
 
 impl Conn {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// With nothing to read: poll the CQ ourselves (spinning up to the
     /// busy-poll budget), and register this task on the completion channel
     /// directly, so an arriving completion wakes the reader without a hop
     /// through the driver task.
     fn wait_readable<'a>(
         &'a self,
-        mut st: MutexGuard<'a, State>,
+        mut st: MutexGuard<'a, StreamState>,
         cx: &mut Context<'_>,
-    ) -> MutexGuard<'a, State> {
+    ) -> MutexGuard<'a, StreamState> {
         st.progress();
-        if !self.busy_poll.is_zero() && !st.read_ready() {
+        if !st.busy_poll.is_zero() && !st.read_ready() {
             let start = Instant::now();
-            while !st.read_ready() && start.elapsed() < self.busy_poll {
+            let budget = st.busy_poll;
+            while !st.read_ready() && start.elapsed() < budget {
                 drop(st);
                 std::hint::spin_loop();
                 st = self.lock();
@@ -346,7 +307,9 @@ impl Conn {
                     st.qp.take_events();
                     guard.clear_ready();
                 }
-                // Pending: registered; an error: leave it to the driver.
+                // Pending: registered (only the latest task is kept there,
+                // so the reader list below is what guarantees the wake-up);
+                // an error: left to the driver.
                 _ => break,
             }
         }
@@ -354,10 +317,11 @@ impl Conn {
     }
 
     pub(crate) fn set_nodelay(&self, v: bool) {
-        self.nodelay.store(v, Ordering::Relaxed);
+        self.lock().nodelay = v;
     }
+
     pub(crate) fn nodelay(&self) -> bool {
-        self.nodelay.load(Ordering::Relaxed)
+        self.lock().nodelay
     }
 
     pub(crate) fn poll_read(
@@ -390,15 +354,18 @@ impl Conn {
             };
             let n = (len as usize).min(buf.remaining());
             let dst = buf.initialize_unfilled_to(n);
-            if let Err(e) = st.qp.recv_ring.read_at(off as usize, &mut dst[..n]) {
-                return Poll::Ready(Err(io::Error::other(e)));
+            if let Err(source) = st.qp.recv_ring.read_at(off as usize, &mut dst[..n]) {
+                return Poll::Ready(Err(Error::Verbs {
+                    op: "receive ring copy",
+                    source,
+                }
+                .into()));
             }
             buf.advance(n);
             st.core.consume(n);
-            let front = st.ring_pending.front_mut().expect("checked above");
             if n == len as usize {
                 st.ring_pending.pop_front();
-            } else {
+            } else if let Some(front) = st.ring_pending.front_mut() {
                 *front = (off + n as u32, len - n as u32);
             }
             copied += n;
@@ -414,30 +381,22 @@ impl Conn {
         if st.core.readable_eof() {
             return Poll::Ready(Ok(()));
         }
-        if let Some(e) = &st.error {
-            return Poll::Ready(Err(e.to_io()));
+        if let Some(e) = st.err_io() {
+            return Poll::Ready(Err(e));
         }
         if st.peer_gone {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::ConnectionReset,
-                "peer disconnected without closing the stream",
-            )));
+            return Poll::Ready(Err(Error::PeerDisconnected.into()));
         }
-        st.read_waker = Some(cx.waker().clone());
+        st.readers.register(cx.waker());
         Poll::Pending
     }
 
-    fn write_error(st: &State, e: WriteError) -> io::Error {
+    fn write_error(st: &StreamState, e: WriteError) -> io::Error {
         match e {
-            WriteError::Shutdown => io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                "stream was shut down for writing",
-            ),
-            _ => {
-                st.error.as_ref().map(ConnError::to_io).unwrap_or_else(|| {
-                    io::Error::new(io::ErrorKind::ConnectionReset, e.to_string())
-                })
-            }
+            WriteError::Shutdown => Error::WriteAfterShutdown.into(),
+            _ => st
+                .err_io()
+                .unwrap_or_else(|| Error::PeerDisconnected.into()),
         }
     }
 
@@ -452,30 +411,24 @@ impl Conn {
             Ok(c) => c,
             Err(e) => return Poll::Ready(Err(Self::write_error(&st, e))),
         };
-        if let Some(e) = &st.error {
-            return Poll::Ready(Err(e.to_io()));
+        if let Some(e) = st.err_io() {
+            return Poll::Ready(Err(e));
         }
         if st.peer_gone {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                "peer disconnected",
-            )));
+            return Poll::Ready(Err(Error::PeerClosed.into()));
         }
         if total == 0 {
             return Poll::Ready(Ok(0));
         }
         if cap == 0 {
             st.stats.credit_stalls += 1;
-            st.write_waker = Some(cx.waker().clone());
+            st.writers.register(cx.waker());
             return Poll::Pending;
         }
         let n = cap.min(total);
         let ranges = st.core.accept_write(n);
         // Copy the first n bytes of `bufs` into the ranges, in order.
-        let mut src = bufs
-            .iter()
-            .flat_map(|b| b.chunks(usize::MAX))
-            .filter(|c| !c.is_empty());
+        let mut src = bufs.iter().map(|b| &b[..]).filter(|c| !c.is_empty());
         let mut cur: &[u8] = src.next().unwrap_or(&[]);
         for r in ranges.iter() {
             let mut at = r.start;
@@ -487,8 +440,12 @@ impl Conn {
                     }
                 }
                 let k = (r.end - at).min(cur.len());
-                if let Err(e) = st.qp.send_buf.write_at(at, &cur[..k]) {
-                    return Poll::Ready(Err(io::Error::other(e)));
+                if let Err(source) = st.qp.send_buf.write_at(at, &cur[..k]) {
+                    return Poll::Ready(Err(Error::Verbs {
+                        op: "send buffer copy",
+                        source,
+                    }
+                    .into()));
                 }
                 at += k;
                 cur = &cur[k..];
@@ -501,19 +458,16 @@ impl Conn {
     /// Ready once every accepted byte has been posted to the NIC.
     pub(crate) fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let mut st = self.lock();
-        if let Some(e) = &st.error {
-            return Poll::Ready(Err(e.to_io()));
+        if let Some(e) = st.err_io() {
+            return Poll::Ready(Err(e));
         }
         if st.core.unposted_len() == 0 {
             return Poll::Ready(Ok(()));
         }
         if st.peer_gone {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                "peer disconnected",
-            )));
+            return Poll::Ready(Err(Error::PeerClosed.into()));
         }
-        st.write_waker = Some(cx.waker().clone());
+        st.writers.register(cx.waker());
         Poll::Pending
     }
 
@@ -527,24 +481,25 @@ impl Conn {
         }
     }
 
-    /// Half-close: queue a FIN after the buffered bytes; ready once posted.
-    pub(crate) fn poll_shutdown(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        {
-            let mut st = self.lock();
-            if st.peer_gone && !st.core.fin_received() {
-                // The peer vanished without closing: like shutdown(2) on a
-                // reset TCP socket.
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::NotConnected,
-                    "the peer disconnected without closing the stream",
-                )));
-            }
-            if st.error.is_none() {
-                st.core.shutdown();
-                st.transmit();
-            }
+    /// Half-close, as `TcpStream`'s `shutdown(Write)`: queues a FIN behind
+    /// the buffered bytes and is ready at once. The driver posts the FIN
+    /// when the peer's credit allows (bounded by the linger timeout once
+    /// every handle is gone); a later write is `BrokenPipe`.
+    pub(crate) fn poll_shutdown(&self, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut st = self.lock();
+        if st.peer_gone && !st.core.fin_received() && st.error.is_none() {
+            // The peer vanished without closing: like shutdown(2) on a
+            // reset TCP socket.
+            return Poll::Ready(Err(Error::NotConnected.into()));
         }
-        self.poll_flush(cx)
+        if let Some(e) = st.err_io() {
+            return Poll::Ready(Err(e));
+        }
+        if !st.peer_gone {
+            st.core.shutdown();
+            st.transmit();
+        }
+        Poll::Ready(Ok(()))
     }
 
     pub(crate) fn stats(&self) -> ConnectionStats {
@@ -555,27 +510,7 @@ impl Conn {
     }
 }
 
-/// What the handshake hands to [`spawn`].
-pub(crate) struct Established<Q = RcQueuePair> {
-    pub id: CmId,
-    pub qp: Q,
-    pub peer: Hello,
-    pub device: String,
-    /// Reported as the local/peer address if rdma_cm cannot say.
-    pub fallback_addr: SocketAddr,
-}
-
-pub(crate) fn rc_sizes(cfg: &RdmaConfig) -> RcSizes {
-    RcSizes {
-        send_depth: u32::from(cfg.send_queue_depth),
-        recv_depth: u32::from(cfg.recv_queue_depth),
-        max_inline: cfg.inline_threshold,
-        send_buf: cfg.send_buffer_size as usize,
-        recv_ring: cfg.ring_size as usize,
-    }
-}
-
-/// Our half of the handshake for a QP.
+/// Our half of the handshake for a stream QP.
 pub(crate) fn local_hello(qp: &RcQueuePair, cfg: &RdmaConfig) -> Hello {
     Hello {
         kind: EndpointKind::ByteStream,
@@ -586,34 +521,15 @@ pub(crate) fn local_hello(qp: &RcQueuePair, cfg: &RdmaConfig) -> Hello {
     }
 }
 
-/// Creates a QP (in RESET) for `id`'s device. Receive WRs are posted by
-/// [`RcQueuePair::connect_from_cm`] once the QP is in INIT.
-pub(crate) fn new_qp(
-    id: &CmId,
+/// Builds the stream's state and starts the connection's driver.
+pub(crate) fn start(
+    est: Established<RcQueuePair>,
     cfg: &RdmaConfig,
-    sizes: RcSizes,
-) -> Result<(Arc<OpenDevice>, RcQueuePair, String)> {
-    let name = id.device_name().ok_or(Error::NoDevice)?;
-    if let Some(want) = &cfg.device {
-        if *want != name {
-            return Err(Error::DeviceNotFound { name: want.clone() });
-        }
-    }
-    let dev = crate::verbs::rc::open_device(&name)?;
-    let qp = RcQueuePair::new(Arc::clone(&dev), sizes)?;
-    Ok((dev, qp, name))
-}
-
-/// Builds the shared connection and starts its driver task.
-pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
-    let local_addr = est.id.local_addr().unwrap_or(est.fallback_addr);
-    let peer_addr = est.id.peer_addr().unwrap_or(est.fallback_addr);
+) -> Result<Handle<StreamState>> {
     let max_inline = est.qp.max_inline();
     let core =
         StreamCore::new(cfg.stream_params(est.peer.ring_len, est.peer.recv_depth, max_inline))?;
-    let conn_id = CONN_IDS.fetch_add(1, Ordering::Relaxed);
-    let qp_num = est.qp.qp_num();
-    let state = State {
+    let state = StreamState {
         core,
         qp: est.qp,
         peer_ring_addr: est.peer.ring_addr,
@@ -622,178 +538,21 @@ pub(crate) fn spawn(est: Established, cfg: &RdmaConfig) -> Result<Arc<Conn>> {
         backlog_len: 0,
         ring_pending: VecDeque::new(),
         recv_buffer_limit: cfg.recv_buffer_limit,
-        read_waker: None,
-        write_waker: None,
+        readers: WakerList::default(),
+        writers: WakerList::default(),
         error: None,
         peer_gone: false,
-        handles: 1,
+        busy_poll: cfg.busy_poll,
+        nodelay: true,
         stats: ConnectionStats::default(),
         scratch: Vec::with_capacity(64),
     };
-    let conn = Arc::new(Conn {
-        state: Mutex::new(state),
-        notify: Notify::new(),
-        local_addr,
-        peer_addr,
-        qp_num,
-        device: est.device,
-        busy_poll: cfg.busy_poll,
-        nodelay: std::sync::atomic::AtomicBool::new(true),
-    });
-    let span = tracing::debug_span!(
-        "rdma_conn",
-        id = conn_id,
-        local = %local_addr,
-        peer = %peer_addr,
-        qp = qp_num
-    );
-    let driver = Driver {
-        conn: Arc::clone(&conn),
+    Ok(crate::conn::start(Started {
+        state,
         id: est.id,
+        device: est.device,
+        fallback_addr: est.fallback_addr,
         linger: cfg.linger,
-    };
-    tokio::spawn(driver.run().instrument(span));
-    Ok(conn)
-}
-
-struct Driver {
-    conn: Arc<Conn>,
-    id: CmId,
-    /// Bound on delivering after the last handle dropped.
-    linger: std::time::Duration,
-}
-
-impl Driver {
-    async fn run(self) {
-        let Driver { conn, id, linger } = self;
-        debug!("connection established");
-        let channel = Arc::clone(id.channel());
-        let cq_events = conn.lock().qp.cq_events();
-        let mut fin_requested = false;
-        // Set once every handle is gone and data is still being delivered.
-        let mut linger_deadline: Option<tokio::time::Instant> = None;
-        loop {
-            let done = {
-                let mut st = conn.lock();
-                st.progress_and_arm();
-                if st.handles == 0 && !fin_requested && st.error.is_none() && !st.peer_gone {
-                    // All handles dropped: close like TCP, FIN after the data.
-                    fin_requested = true;
-                    linger_deadline = Some(tokio::time::Instant::now() + linger);
-                    st.core.shutdown();
-                    st.transmit();
-                }
-                let lingering = st.error.is_none() && !st.peer_gone && !st.core.all_sent();
-                st.handles == 0 && !lingering
-            };
-            if done {
-                break;
-            }
-            tokio::select! {
-                r = cq_events.readable() => {
-                    let Ok(mut guard) = r else { break };
-                    conn.lock().qp.take_events();
-                    guard.clear_ready();
-                }
-                ev = channel.next() => {
-                    match ev {
-                        Ok(ev) => {
-                            trace!(kind = ?ev.kind, "rdma_cm event");
-                            if matches!(ev.kind, CmEventKind::Disconnected | CmEventKind::DeviceRemoval) {
-                                let mut st = conn.lock();
-                                st.progress();
-                                st.peer_gone = true;
-                                st.core.on_connection_lost();
-                                st.qp.set_error();
-                                st.wake_all();
-                            }
-                        }
-                        Err(e) => {
-                            conn.lock().fail(ConnError::new(io::ErrorKind::ConnectionAborted, e.to_string()));
-                        }
-                    }
-                }
-                _ = conn.notify.notified() => {}
-                _ = async {
-                    match linger_deadline {
-                        Some(d) => tokio::time::sleep_until(d).await,
-                        None => std::future::pending().await,
-                    }
-                } => {
-                    debug!("linger timeout: the peer did not take the remaining data");
-                    conn.lock().fail(ConnError::new(io::ErrorKind::TimedOut, "linger timeout"));
-                }
-            }
-        }
-        debug!("connection closing");
-        let _ = id.disconnect();
-        {
-            let mut st = conn.lock();
-            st.qp.set_error();
-            st.wake_all();
-        }
-        // The QP and its memory are freed when the last handle's Arc drops;
-        // rdma_destroy_id may block in the kernel, so it runs off the runtime.
-        tokio::task::spawn_blocking(move || drop(id));
-    }
-}
-
-/// A connection that counts its application handles (a stream or a half,
-/// a message endpoint or a clone of it).
-pub(crate) trait Counted {
-    /// One more handle.
-    fn add_handle(&self);
-    /// One handle less; the last one wakes the driver to close.
-    fn drop_handle(&self);
-}
-
-impl Counted for Conn {
-    fn add_handle(&self) {
-        self.lock().handles += 1;
-    }
-
-    fn drop_handle(&self) {
-        let last = {
-            let mut st = self.lock();
-            st.handles -= 1;
-            st.handles == 0
-        };
-        if last {
-            self.notify.notify_one();
-        }
-    }
-}
-
-/// One application handle on a connection. The connection closes (for a
-/// stream: FIN after the buffered data) when the last one drops.
-pub(crate) struct Handle<C: Counted = Conn>(Arc<C>);
-
-impl<C: Counted> Handle<C> {
-    /// Wraps the first handle (`spawn` counts it already).
-    pub(crate) fn first(conn: Arc<C>) -> Self {
-        Handle(conn)
-    }
-
-    /// Another handle on the same connection.
-    pub(crate) fn another(&self) -> Self {
-        self.0.add_handle();
-        Handle(Arc::clone(&self.0))
-    }
-
-    pub(crate) fn same_conn(&self, other: &Handle<C>) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-
-impl<C: Counted> std::ops::Deref for Handle<C> {
-    type Target = C;
-    fn deref(&self) -> &C {
-        &self.0
-    }
-}
-
-impl<C: Counted> Drop for Handle<C> {
-    fn drop(&mut self) {
-        self.0.drop_handle();
-    }
+        kind: "stream",
+    }))
 }

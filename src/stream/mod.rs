@@ -1,28 +1,26 @@
 //! `RdmaStream` and `RdmaListener`: byte streams over RC queue pairs that
 //! behave like tokio's `TcpStream` and `TcpListener`.
 
-pub(crate) mod conn;
-pub(crate) mod connect;
-pub(crate) mod listener;
+mod conn;
+mod listener;
 mod split;
 
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::ToSocketAddrs;
 
-#[cfg(feature = "guest-tests")]
-pub(crate) use connect::raw_connect;
 pub use listener::RdmaListener;
 pub use split::{OwnedReadHalf, OwnedWriteHalf, ReadHalf, ReuniteError, WriteHalf};
 
 use crate::config::RdmaConfig;
 use crate::stats::ConnectionStats;
-use conn::Handle;
+use conn::StreamState;
+
+type Handle = crate::conn::Handle<StreamState>;
 
 /// A byte stream over an RDMA reliable-connected queue pair, used like
 /// [`tokio::net::TcpStream`].
@@ -52,10 +50,8 @@ impl std::fmt::Debug for RdmaStream {
 }
 
 impl RdmaStream {
-    fn from_conn(conn: Arc<conn::Conn>) -> Self {
-        RdmaStream {
-            conn: Handle::first(conn),
-        }
+    fn from_conn(conn: Handle) -> Self {
+        RdmaStream { conn }
     }
 
     /// Opens a connection to `addr` with the default [`RdmaConfig`].
@@ -79,7 +75,7 @@ impl RdmaStream {
         config: &RdmaConfig,
     ) -> io::Result<RdmaStream> {
         config.validate()?;
-        let conn = connect::connect_any(addr, &connect::StreamSetup(config.clone())).await?;
+        let conn = crate::conn::connect_any(addr, &listener::StreamSetup(config.clone())).await?;
         Ok(RdmaStream::from_conn(conn))
     }
 

@@ -7,8 +7,7 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::RdmaStream;
-use super::conn::Handle;
+use super::{Handle, RdmaStream};
 
 /// Borrowed read half of an [`RdmaStream`], from [`RdmaStream::split`].
 #[derive(Debug)]

@@ -15,7 +15,6 @@
 
 pub(crate) mod cm;
 pub mod device;
-pub(crate) mod msg;
 pub(crate) mod rc;
 
 pub use device::{

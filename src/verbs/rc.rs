@@ -24,7 +24,9 @@ use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue as _};
 use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
 use sideway::ibverbs::device_context::DeviceContext;
-use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::memory_region::{
+    MemoryRegion, RegisterMemoryRegionError, RegisterMemoryRegionErrorKind,
+};
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
     BasicQueuePair, PostSendGuard as _, QueuePair as _, SetInlineData as _,
@@ -76,6 +78,72 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
     Ok(d)
 }
 
+/// The OS error of a failed `ibv_reg_mr` (errno kept: `ENOMEM` from
+/// RLIMIT_MEMLOCK reads as `OutOfMemory`).
+fn reg_mr_errno(e: RegisterMemoryRegionError) -> io::Error {
+    match e.0 {
+        RegisterMemoryRegionErrorKind::Ibverbs(io) => io,
+        other => io::Error::other(other),
+    }
+}
+
+/// What a memory region allows the NIC to do (the least that works is
+/// chosen by the caller).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MrAccess {
+    /// `IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ`.
+    LocalRemoteReadWrite,
+    /// `IBV_ACCESS_REMOTE_READ` only: the NIC never writes it.
+    RemoteRead,
+}
+
+/// One memory region on an opened device's PD; deregistered when dropped.
+pub(crate) struct MemoryRegistration {
+    mr: Arc<MemoryRegion>,
+    // Keeps the device context open while the MR lives.
+    _device: Arc<OpenDevice>,
+}
+
+impl MemoryRegistration {
+    /// Registers `len` bytes at `ptr` with `access` (`ibv_reg_mr`).
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads of `len` bytes (and writes by the NIC
+    /// when `access` allows them) until the registration is dropped.
+    pub(crate) unsafe fn new(
+        device: &Arc<OpenDevice>,
+        ptr: NonNull<u8>,
+        len: usize,
+        access: MrAccess,
+    ) -> io::Result<Self> {
+        let flags = match access {
+            MrAccess::LocalRemoteReadWrite => {
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead
+            }
+            MrAccess::RemoteRead => AccessFlags::RemoteRead,
+        };
+        // SAFETY: the caller guarantees `ptr` is valid for `len` bytes (and
+        // writable when `access` allows writes) until this registration,
+        // which owns the MR, is dropped.
+        let mr =
+            unsafe { device.pd.reg_mr(ptr.as_ptr() as usize, len, flags) }.map_err(reg_mr_errno)?;
+        Ok(MemoryRegistration {
+            mr,
+            _device: Arc::clone(device),
+        })
+    }
+
+    /// The local key.
+    pub(crate) fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+
+    /// The remote key.
+    pub(crate) fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+}
+
 /// Page-aligned, zeroed memory registered as one MR.
 pub(crate) struct RegisteredBuffer {
     // Deregistered in Drop before the memory is freed.
@@ -110,7 +178,7 @@ impl RegisteredBuffer {
                 unsafe { dealloc(ptr.as_ptr(), layout) };
                 return Err(Error::Verbs {
                     op: "ibv_reg_mr",
-                    source: io::Error::other(e),
+                    source: reg_mr_errno(e),
                 });
             }
         };
@@ -379,7 +447,7 @@ impl RcQueuePair {
 
     /// Moves the QP to `state` (INIT, RTR or RTS) with the attributes rdma_cm
     /// computed for `id`.
-    pub(crate) fn modify_from_cm(&mut self, id: &CmId, state: u32) -> Result<()> {
+    fn modify_from_cm(&mut self, id: &CmId, state: u32) -> Result<()> {
         let (mut attr, mask) = id.init_qp_attr(state)?;
         // SAFETY: the QP is valid; `attr`/`mask` come from rdma_init_qp_attr
         // for this transition.
@@ -391,6 +459,21 @@ impl RcQueuePair {
             });
         }
         Ok(())
+    }
+
+    /// Moves the QP to INIT with rdma_cm's attributes for `id`.
+    pub(crate) fn modify_to_init(&mut self, id: &CmId) -> Result<()> {
+        self.modify_from_cm(id, ibv_qp_state::IBV_QPS_INIT)
+    }
+
+    /// Moves the QP to RTR (ready to receive) with rdma_cm's attributes.
+    pub(crate) fn modify_to_rtr(&mut self, id: &CmId) -> Result<()> {
+        self.modify_from_cm(id, ibv_qp_state::IBV_QPS_RTR)
+    }
+
+    /// Moves the QP to RTS (ready to send) with rdma_cm's attributes.
+    pub(crate) fn modify_to_rts(&mut self, id: &CmId) -> Result<()> {
+        self.modify_from_cm(id, ibv_qp_state::IBV_QPS_RTS)
     }
 
     /// Moves the QP to the error state: outstanding WRs complete with

@@ -1,15 +1,15 @@
-//! Active side of the rdma_cm handshake (client).
+//! The rdma_cm handshake shared by every endpoint kind: [`Setup`] (what a
+//! kind adds), the active side ([`connect`]) and the passive side
+//! ([`accept_one`], run by the [listener](super::listener)).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use rdma_mummy_sys::ibv_qp_state;
-use tracing::debug;
+use tracing::{debug, warn};
 
-use super::conn::{self, Conn, Established};
 use crate::config::RdmaConfig;
 use crate::error::{Error, Result};
-use crate::proto::handshake::{EndpointKind, Hello, decode_reject, encode_reject};
+use crate::proto::handshake::{EndpointKind, Hello, RejectReason, decode_reject, encode_reject};
 use crate::verbs::cm::{CmEvent, CmEventKind, CmId, EventChannel};
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
 
@@ -49,30 +49,32 @@ pub(crate) trait Setup: Clone + Send + Sync + 'static {
     fn finish(&self, est: Established<Self::Qp>) -> Result<Self::Out>;
 }
 
-/// The byte stream's [`Setup`].
-#[derive(Clone)]
-pub(crate) struct StreamSetup(pub(crate) RdmaConfig);
+/// What the handshake hands to [`Setup::finish`].
+pub(crate) struct Established<Q> {
+    pub id: CmId,
+    pub qp: Q,
+    pub peer: Hello,
+    pub device: String,
+    /// Reported as the local/peer address if rdma_cm cannot say.
+    pub fallback_addr: SocketAddr,
+}
 
-impl Setup for StreamSetup {
-    type Out = Arc<Conn>;
-    type Qp = RcQueuePair;
-    const KIND: EndpointKind = EndpointKind::ByteStream;
-    fn rdma(&self) -> &RdmaConfig {
-        &self.0
+/// Creates a QP (in RESET) on `id`'s device. Receive WRs are posted once the
+/// QP is in INIT ([`Setup::on_init`]).
+pub(crate) fn new_qp(
+    id: &CmId,
+    cfg: &RdmaConfig,
+    sizes: RcSizes,
+) -> Result<(Arc<OpenDevice>, RcQueuePair, String)> {
+    let name = id.device_name().ok_or(Error::NoDevice)?;
+    if let Some(want) = &cfg.device {
+        if *want != name {
+            return Err(Error::DeviceNotFound { name: want.clone() });
+        }
     }
-    fn sizes(&self) -> RcSizes {
-        conn::rc_sizes(&self.0)
-    }
-    async fn prepare(&self, _device: &Arc<OpenDevice>, qp: RcQueuePair) -> Result<RcQueuePair> {
-        Ok(qp)
-    }
-    fn on_init(&self, qp: &mut RcQueuePair) -> Result<Hello> {
-        qp.post_recvs(self.0.recv_queue_depth.into())?;
-        Ok(conn::local_hello(qp, &self.0))
-    }
-    fn finish(&self, est: Established) -> Result<Arc<Conn>> {
-        conn::spawn(est, &self.0)
-    }
+    let dev = crate::verbs::rc::open_device(&name)?;
+    let qp = RcQueuePair::new(Arc::clone(&dev), sizes)?;
+    Ok((dev, qp, name))
 }
 
 /// Tries `attempt` on each address `addr` resolves to, in order, like
@@ -170,10 +172,9 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> 
     })?;
     expect(&channel, addr, CmEventKind::RouteResolved).await?;
 
-    let (dev, qp, device) = conn::new_qp(&id, cfg, setup.sizes())?;
+    let (dev, qp, device) = new_qp(&id, cfg, setup.sizes())?;
     let mut qp = setup.prepare(&dev, qp).await?;
-    qp.as_mut()
-        .modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
+    qp.as_mut().modify_to_init(&id)?;
     let hello = setup.on_init(&mut qp)?;
     id.connect(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
     let ev = expect(&channel, addr, CmEventKind::ConnectResponse).await?;
@@ -191,9 +192,9 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> 
     // rights; re-apply INIT with the attributes of the now-known connection
     // (what librdmacm's own ucma_modify_qp_rtr does), then RTR and RTS.
     let rc = qp.as_mut();
-    rc.modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
-    rc.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTR)?;
-    rc.modify_from_cm(&id, ibv_qp_state::IBV_QPS_RTS)?;
+    rc.modify_to_init(&id)?;
+    rc.modify_to_rtr(&id)?;
+    rc.modify_to_rts(&id)?;
     id.establish()?;
     setup.finish(Established {
         id,
@@ -207,7 +208,7 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> 
 /// Test hook: a connect request with arbitrary private data. `Ok(())` if the
 /// server accepted (the connection is then dropped), the server's answer as
 /// an error otherwise.
-#[cfg(feature = "guest-tests")]
+#[cfg(tokio_rdma_guest)]
 pub(crate) async fn raw_connect(addr: SocketAddr, private_data: &[u8]) -> Result<()> {
     let cfg = RdmaConfig::default();
     let channel = EventChannel::new()?;
@@ -216,11 +217,70 @@ pub(crate) async fn raw_connect(addr: SocketAddr, private_data: &[u8]) -> Result
     expect(&channel, addr, CmEventKind::AddrResolved).await?;
     id.resolve_route(cfg.resolve_timeout)?;
     expect(&channel, addr, CmEventKind::RouteResolved).await?;
-    let (_dev, mut qp, _device) = conn::new_qp(&id, &cfg, conn::rc_sizes(&cfg))?;
-    qp.modify_from_cm(&id, ibv_qp_state::IBV_QPS_INIT)?;
+    let (_dev, mut qp, _device) = new_qp(&id, &cfg, cfg.stream_sizes())?;
+    qp.modify_to_init(&id)?;
     qp.post_recvs(cfg.recv_queue_depth.into())?;
     id.connect(qp.qp_num(), private_data, 1)?;
     expect(&channel, addr, CmEventKind::ConnectResponse).await?;
     let _ = id.disconnect();
     Ok(())
+}
+
+/// Runs the passive handshake for one request. `Ok(None)`: rejected.
+pub(crate) async fn accept_one<S: Setup>(
+    mut id: CmId,
+    private_data: Vec<u8>,
+    setup: &S,
+) -> Result<Option<(S::Out, SocketAddr)>> {
+    let cfg = setup.rdma();
+    let peer = match Hello::decode(&private_data).and_then(|h| h.expect_kind(S::KIND)) {
+        Ok(h) => h,
+        Err(e) => {
+            warn!(error = %e, "rejecting connection request");
+            id.reject(&encode_reject(e.reject_reason()))?;
+            return Ok(None);
+        }
+    };
+    // Each connection gets its own event channel (and driver).
+    let channel = EventChannel::new()?;
+    id.migrate(&channel)?;
+    let prepared = match new_qp(&id, cfg, setup.sizes()) {
+        Ok((dev, qp, device)) => setup.prepare(&dev, qp).await.map(|qp| (qp, device)),
+        Err(e) => Err(e),
+    };
+    let (mut qp, device) = match prepared {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = id.reject(&encode_reject(RejectReason::ServerResources));
+            return Err(e);
+        }
+    };
+    qp.as_mut().modify_to_init(&id)?;
+    let hello = setup.on_init(&mut qp)?;
+    qp.as_mut().modify_to_rtr(&id)?;
+    qp.as_mut().modify_to_rts(&id)?;
+    id.accept(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
+    let ev = tokio::time::timeout(cfg.connect_timeout, channel.next())
+        .await
+        .map_err(|_| Error::TimedOut {
+            addr: id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into()),
+        })?
+        .map_err(|source| Error::Verbs {
+            op: "rdma_get_cm_event",
+            source,
+        })?;
+    if ev.kind != CmEventKind::Established {
+        debug!(kind = ?ev.kind, status = ev.status, "connection not established");
+        return Ok(None);
+    }
+    let peer_addr = id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into());
+    setup
+        .finish(Established {
+            id,
+            qp,
+            peer,
+            device,
+            fallback_addr: ([0, 0, 0, 0], 0).into(),
+        })
+        .map(|out| Some((out, peer_addr)))
 }

@@ -7,16 +7,16 @@
 //! take a buffer back once the NIC is done with it: a receive buffer after
 //! its completion, a destination once no READ into it is outstanding. So
 //! the `unsafe` of posting work requests (WRs) with scatter/gather elements
-//! (SGEs) stays here. Field order makes the QP be destroyed before any
-//! buffer is freed.
+//! (SGEs) stays here, in the one module of the message runtime that opts
+//! into `unsafe` (a scoped `allow`, each block with its `SAFETY:` comment).
+//! Field order makes the QP be destroyed before any buffer is freed.
 
 use std::collections::{HashMap, VecDeque};
-use std::io;
 
-use super::rc::{RECV_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr, Sge};
 use crate::error::{Error, Result};
 use crate::pool::{OutgoingMessage, PoolBuf};
 use crate::proto::message::{MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN};
+use crate::verbs::rc::{RECV_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr, Sge};
 
 /// Bytes of scratch per send-queue slot for an RTS header that is not
 /// posted inline.
@@ -53,10 +53,7 @@ pub(crate) struct MessageQp {
 }
 
 fn internal(msg: String) -> Error {
-    Error::Verbs {
-        op: "message endpoint",
-        source: io::Error::other(msg),
-    }
+    Error::Internal(msg)
 }
 
 impl AsMut<RcQueuePair> for MessageQp {

@@ -1,0 +1,144 @@
+//! The listening side shared by every endpoint kind, with the handshake run
+//! in the background so `accept` is cancel-safe.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use tokio::net::ToSocketAddrs;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tracing::{Instrument, debug, warn};
+
+use super::setup::{Setup, accept_one, first_resolved};
+use crate::error::Result;
+use crate::proto::handshake::{RejectReason, encode_reject};
+use crate::verbs::cm::{CmEventKind, CmId, EventChannel};
+
+/// The listening side shared by every endpoint kind: the rdma_cm listen id,
+/// the background task that runs handshakes, and the queue of established
+/// connections.
+pub(crate) struct Listener<S: Setup> {
+    local_addr: SocketAddr,
+    incoming: Mutex<mpsc::Receiver<Queued<S::Out>>>,
+    task: tokio::task::JoinHandle<()>,
+    /// Destroyed in `drop`, so the port is free again when `drop` returns
+    /// (as with `TcpListener`).
+    _listen_id: CmId,
+}
+
+/// An established connection waiting for `accept`, with its backlog slot.
+type Queued<T> = io::Result<(T, SocketAddr, Option<OwnedSemaphorePermit>)>;
+
+impl<S: Setup> Listener<S> {
+    /// Binds to the first address `addr` resolves to that works.
+    pub(crate) async fn bind<A: ToSocketAddrs>(addr: A, setup: S) -> io::Result<Listener<S>> {
+        first_resolved(addr, |a| {
+            std::future::ready(Self::bind_one(a, setup.clone()))
+        })
+        .await
+    }
+
+    fn bind_one(addr: SocketAddr, setup: S) -> Result<Listener<S>> {
+        crate::verbs::devices()?;
+        let cfg = setup.rdma();
+        let channel = EventChannel::new()?;
+        let id = CmId::new(&channel)?;
+        id.bind(addr)?;
+        id.listen(cfg.backlog)?;
+        let local_addr = id.local_addr().unwrap_or(addr);
+        // Handshakes in flight plus established connections not yet
+        // accepted never exceed the backlog; requests beyond it are rejected
+        // (`RejectReason::ServerResources`) instead of each taking a queue
+        // pair and registered memory.
+        let backlog = cfg.backlog.max(1) as usize;
+        let slots = Arc::new(Semaphore::new(backlog));
+        let (tx, rx) = mpsc::channel(backlog + 1);
+        let span = tracing::debug_span!("rdma_listener", local = %local_addr, kind = %S::KIND);
+        let task = tokio::spawn(listen_loop(channel, setup, tx, slots).instrument(span));
+        Ok(Listener {
+            local_addr,
+            incoming: Mutex::new(rx),
+            task,
+            _listen_id: id,
+        })
+    }
+
+    /// Polls for an established connection; only the task that polled last
+    /// is woken.
+    pub(crate) fn poll_accept(
+        &self,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<(S::Out, SocketAddr)>> {
+        let mut rx = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
+        match rx.poll_recv(cx) {
+            // Dropping the permit frees the backlog slot.
+            Poll::Ready(Some(r)) => Poll::Ready(r.map(|(s, a, _slot)| (s, a))),
+            Poll::Ready(None) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the listener's background task ended",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// The local address, with the actual port.
+    pub(crate) fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+}
+
+impl<S: Setup> Drop for Listener<S> {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+type Incoming<T> = mpsc::Sender<Queued<T>>;
+
+async fn listen_loop<S: Setup>(
+    channel: Arc<EventChannel>,
+    setup: S,
+    tx: Incoming<S::Out>,
+    slots: Arc<Semaphore>,
+) {
+    let mut handshakes = JoinSet::new();
+    loop {
+        tokio::select! {
+            ev = channel.next() => {
+                let ev = match ev {
+                    Ok(ev) => ev,
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                };
+                if ev.kind != CmEventKind::ConnectRequest {
+                    debug!(kind = ?ev.kind, "ignoring listener event");
+                    continue;
+                }
+                let Some(new_id) = ev.new_id else { continue };
+                let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                    warn!("listen backlog full; rejecting connection request");
+                    let _ = new_id.reject(&encode_reject(RejectReason::ServerResources));
+                    continue;
+                };
+                let setup = setup.clone();
+                let tx = tx.clone();
+                handshakes.spawn(async move {
+                    match accept_one(new_id, ev.private_data, &setup).await {
+                        Ok(Some((c, peer))) => {
+                            if tx.send(Ok((c, peer, Some(slot)))).await.is_err() {
+                                debug!("listener dropped; closing accepted connection");
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => warn!(error = %e, "handshake failed"),
+                    }
+                });
+            }
+            Some(_) = handshakes.join_next(), if !handshakes.is_empty() => {}
+        }
+    }
+}

@@ -1,0 +1,349 @@
+//! The connection shared by an endpoint's handles and its driver task, for
+//! every endpoint kind: [`Shared`] (state behind one mutex, the handle count,
+//! the addresses), [`Handle`] (one application handle), the [`Driven`]
+//! trait a kind's state implements, and the one driver loop.
+//!
+//! The model is quinn's `ConnectionRef`/`ConnectionDriver`: whoever holds the
+//! lock makes progress (drains the CQ, reposts receives, returns credit,
+//! posts what is ready); the driver does the same whenever the completion
+//! channel or the rdma_cm channel fires, so receive progress never waits for
+//! the application. A failure is recorded once ([`Driven::fail`]) and wakes
+//! every waiter of every kind, each registered in a [`WakerList`].
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Waker;
+use std::time::Duration;
+
+use tokio::sync::{Notify, watch};
+use tracing::{Instrument, Span, debug, trace};
+
+use crate::error::Error;
+use crate::pool::MemoryPool;
+use crate::verbs::cm::{CmEventKind, CmId};
+use crate::verbs::rc::RcQueuePair;
+
+/// How often a driver waiting for pool memory looks again even without a
+/// notification (a return can race with the waiter's registration).
+const MEMORY_RETRY: Duration = Duration::from_millis(5);
+
+/// The wakers of every task waiting for one kind of event. Unlike a single
+/// `Option<Waker>`, a second task's registration never evicts the first's:
+/// both are woken. A task that polls again is registered once
+/// (`Waker::will_wake`).
+#[derive(Debug, Default)]
+pub(crate) struct WakerList(Vec<Waker>);
+
+impl WakerList {
+    /// Adds `waker` unless it is registered already.
+    pub(crate) fn register(&mut self, waker: &Waker) {
+        if !self.0.iter().any(|w| w.will_wake(waker)) {
+            self.0.push(waker.clone());
+        }
+    }
+
+    /// Wakes and forgets every registered task.
+    pub(crate) fn wake_all(&mut self) {
+        for w in self.0.drain(..) {
+            w.wake();
+        }
+    }
+
+    /// Registered wakers.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// What a kind of endpoint (byte stream, message endpoint) gives the
+/// driver: its state behind the connection's mutex.
+pub(crate) trait Driven: Send + 'static {
+    /// The queue pair (its CQ and completion channel).
+    fn qp(&self) -> &RcQueuePair;
+    /// The queue pair, mutably.
+    fn qp_mut(&mut self) -> &mut RcQueuePair;
+    /// Drains the CQ and does every follow-up (reposting, credit, posting
+    /// what is ready, waking whoever can go on).
+    fn progress(&mut self);
+    /// Records `err` as the connection's error (the first one wins) and
+    /// wakes every waiter.
+    fn fail(&mut self, err: Error);
+    /// Every application handle is gone: start closing (a stream queues its
+    /// FIN after the buffered bytes).
+    fn on_last_handle(&mut self);
+    /// Nothing is left to deliver to the peer, or the connection is dead:
+    /// with no handle left the driver disconnects.
+    fn finished(&self) -> bool;
+    /// rdma_cm reported `DISCONNECTED`: the peer is gone (after its FIN, or
+    /// without one).
+    fn on_disconnected(&mut self);
+    /// The driver has disconnected: nothing more is sent or received; wake
+    /// every waiter.
+    fn on_closed(&mut self);
+    /// The pool whose returned memory progress is waiting for, if any.
+    fn waiting_for_memory(&self) -> Option<MemoryPool> {
+        None
+    }
+
+    /// Drain, arm, drain again: the completion channel is edge triggered, so
+    /// a completion that lands between the drain and the arm would otherwise
+    /// never raise an event.
+    fn progress_and_arm(&mut self) {
+        self.progress();
+        if let Err(e) = self.qp().arm() {
+            self.fail(e);
+        }
+        self.progress();
+    }
+}
+
+/// One connection: the kind's state behind a mutex, shared by the
+/// application's handles and the driver task.
+pub(crate) struct Shared<D> {
+    state: Mutex<D>,
+    /// Wakes the driver (the last handle dropped, or work to re-check).
+    notify: Notify,
+    /// Live application handles (a stream or a half, an endpoint or a clone).
+    handles: AtomicUsize,
+    /// Set (`true`) once the driver has disconnected.
+    closed: watch::Sender<bool>,
+    /// The local address (IP and rdma_cm port).
+    pub(crate) local_addr: SocketAddr,
+    /// The peer's address.
+    pub(crate) peer_addr: SocketAddr,
+    /// The local QP number.
+    pub(crate) qp_num: u32,
+    /// The RDMA device, for example `rxe0`.
+    pub(crate) device: String,
+}
+
+static CONN_IDS: AtomicU64 = AtomicU64::new(1);
+
+impl<D: Driven> Shared<D> {
+    /// Locks the state (a poisoned lock is taken over: the state is kept
+    /// consistent at every await-free step).
+    pub(crate) fn lock(&self) -> MutexGuard<'_, D> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Live application handles.
+    pub(crate) fn handles(&self) -> usize {
+        self.handles.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the driver has disconnected (every handle dropped and
+    /// everything delivered, or the connection failed or lingered out).
+    pub(crate) fn wait_closed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.closed.subscribe();
+        async move {
+            let _ = rx.wait_for(|closed| *closed).await;
+        }
+    }
+
+    /// Wakes the driver to look at the state again.
+    pub(crate) fn nudge(&self) {
+        self.notify.notify_one();
+    }
+}
+
+/// What the handshake established, to start a connection with.
+pub(crate) struct Started<D> {
+    /// The kind's state, owning the QP.
+    pub state: D,
+    /// The rdma_cm id (the driver disconnects and destroys it).
+    pub id: CmId,
+    /// The RDMA device.
+    pub device: String,
+    /// Reported as the local/peer address if rdma_cm cannot say.
+    pub fallback_addr: SocketAddr,
+    /// Bound on delivering after the last handle dropped.
+    pub linger: Duration,
+    /// `"rdma_stream"` or `"rdma_msg"`, the tracing span's name part.
+    pub kind: &'static str,
+}
+
+/// Builds the shared connection and spawns its driver; returns the first
+/// handle.
+pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
+    let local_addr = s.id.local_addr().unwrap_or(s.fallback_addr);
+    let peer_addr = s.id.peer_addr().unwrap_or(s.fallback_addr);
+    let qp_num = s.state.qp().qp_num();
+    let shared = Arc::new(Shared {
+        state: Mutex::new(s.state),
+        notify: Notify::new(),
+        handles: AtomicUsize::new(1),
+        closed: watch::Sender::new(false),
+        local_addr,
+        peer_addr,
+        qp_num,
+        device: s.device,
+    });
+    let span: Span = tracing::debug_span!(
+        "rdma_conn",
+        kind = s.kind,
+        id = CONN_IDS.fetch_add(1, Ordering::Relaxed),
+        local = %local_addr,
+        peer = %peer_addr,
+        qp = qp_num
+    );
+    tokio::spawn(drive(Arc::clone(&shared), s.id, s.linger).instrument(span));
+    Handle(shared)
+}
+
+/// The driver: progress on every completion event, rdma_cm events, the last
+/// handle's drop, returned pool memory and the linger bound; then
+/// disconnect and free.
+async fn drive<D: Driven>(shared: Arc<Shared<D>>, id: CmId, linger: Duration) {
+    debug!("connection established");
+    let channel = Arc::clone(id.channel());
+    let cq_events = shared.lock().qp().cq_events();
+    // Set once every handle is gone: the bound on delivering what is left.
+    let mut linger_deadline: Option<tokio::time::Instant> = None;
+    loop {
+        let (done, memory) = {
+            let mut st = shared.lock();
+            st.progress_and_arm();
+            let orphaned = shared.handles() == 0;
+            if orphaned && linger_deadline.is_none() {
+                linger_deadline = Some(tokio::time::Instant::now() + linger);
+                st.on_last_handle();
+                st.progress();
+            }
+            (orphaned && st.finished(), st.waiting_for_memory())
+        };
+        if done {
+            break;
+        }
+        tokio::select! {
+            r = cq_events.readable() => {
+                let Ok(mut guard) = r else {
+                    shared.lock().fail(Error::Internal("the completion channel left the reactor".into()));
+                    break;
+                };
+                shared.lock().qp_mut().take_events();
+                guard.clear_ready();
+            }
+            ev = channel.next() => match ev {
+                Ok(ev) => {
+                    trace!(kind = ?ev.kind, "rdma_cm event");
+                    match ev.kind {
+                        CmEventKind::Disconnected => {
+                            let mut st = shared.lock();
+                            st.progress();
+                            st.on_disconnected();
+                        }
+                        CmEventKind::DeviceRemoval => {
+                            let mut st = shared.lock();
+                            st.progress();
+                            st.fail(Error::DeviceRemoved);
+                            st.on_disconnected();
+                        }
+                        _ => {}
+                    }
+                }
+                Err(source) => shared.lock().fail(Error::Verbs { op: "rdma_get_cm_event", source }),
+            },
+            _ = shared.notify.notified() => {}
+            _ = async {
+                match &memory {
+                    Some(pool) => {
+                        let _ = tokio::time::timeout(MEMORY_RETRY, pool.memory_returned()).await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            } => {}
+            _ = async {
+                match linger_deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                debug!("linger timeout: the peer did not take the remaining data");
+                shared.lock().fail(Error::LingerTimeout { timeout: linger });
+            }
+        }
+    }
+    debug!("connection closing");
+    let _ = id.disconnect();
+    {
+        let mut st = shared.lock();
+        st.qp_mut().set_error();
+        st.on_closed();
+    }
+    shared.closed.send_replace(true);
+    // The QP and its memory are freed when the last handle's Arc drops;
+    // rdma_destroy_id may block in the kernel, so it runs off the runtime.
+    tokio::task::spawn_blocking(move || drop(id));
+}
+
+/// One application handle on a connection. The connection closes (a
+/// stream: FIN after the buffered data) when the last one drops.
+pub(crate) struct Handle<D: Driven>(Arc<Shared<D>>);
+
+impl<D: Driven> Handle<D> {
+    /// Another handle on the same connection.
+    pub(crate) fn another(&self) -> Self {
+        self.0.handles.fetch_add(1, Ordering::AcqRel);
+        Handle(Arc::clone(&self.0))
+    }
+
+    /// Whether both handles are on one connection.
+    pub(crate) fn same_conn(&self, other: &Handle<D>) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl<D: Driven> std::ops::Deref for Handle<D> {
+    type Target = Shared<D>;
+    fn deref(&self) -> &Shared<D> {
+        &self.0
+    }
+}
+
+impl<D: Driven> Drop for Handle<D> {
+    fn drop(&mut self) {
+        if self.0.handles.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.notify.notify_one();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WakerList;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
+
+    struct Count(AtomicUsize);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn every_registered_task_is_woken_once() {
+        let counts: Vec<Arc<Count>> = (0..16)
+            .map(|_| Arc::new(Count(AtomicUsize::new(0))))
+            .collect();
+        let wakers: Vec<Waker> = counts.iter().map(|c| Waker::from(Arc::clone(c))).collect();
+        let mut list = WakerList::default();
+        for w in &wakers {
+            list.register(w);
+            list.register(w); // polled twice: still one entry
+        }
+        assert_eq!(list.len(), 16);
+        list.wake_all();
+        assert_eq!(list.len(), 0);
+        for c in &counts {
+            assert_eq!(c.0.load(Ordering::SeqCst), 1);
+        }
+        list.wake_all();
+        for c in &counts {
+            assert_eq!(c.0.load(Ordering::SeqCst), 1);
+        }
+    }
+}
