@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rdma::message::MessageStats;
 use tokio_rdma::pool::{MemoryPool, PoolConfig};
-use tokio_rdma::proto::message::MessageStats;
 use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, verbs};
 
 #[path = "shared/pattern.rs"]

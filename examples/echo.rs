@@ -43,9 +43,16 @@ enum Cmd {
     },
 }
 
-/// Byte `i` of connection `c`'s pattern.
+/// Byte `i` of connection `c`'s pattern: a splitmix64 hash of (c, i / 8),
+/// with no period shorter than 2^64 bytes.
 fn pattern(c: usize, i: u64) -> u8 {
-    (i.wrapping_mul(31) ^ (i >> 8) ^ c as u64) as u8
+    let seed = c as u64;
+    let mut z = (i / 8) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> ((i % 8) * 8)) as u8
 }
 
 async fn serve(mut s: RdmaStream) -> std::io::Result<u64> {

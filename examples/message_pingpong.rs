@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use futures::SinkExt;
 use hdrhistogram::Histogram;
-use tokio_rdma::proto::message::MessageStats;
+use tokio_rdma::message::MessageStats;
 use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, PoolBuf, PoolBytes};
 
 #[path = "shared/pattern.rs"]

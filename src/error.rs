@@ -6,6 +6,10 @@
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 
+pub use crate::proto::ProtocolError;
+pub use crate::proto::handshake::{HandshakeError, RejectReason};
+pub use crate::proto::message::MessageError;
+
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -67,7 +71,7 @@ pub enum Error {
         /// The address that was dialled.
         addr: SocketAddr,
         /// The reason the server gave.
-        reason: crate::proto::handshake::RejectReason,
+        reason: RejectReason,
         /// The protocol version the server speaks.
         server_version: u16,
     },
@@ -75,25 +79,25 @@ pub enum Error {
     /// The peer's handshake private data was invalid (not tokio-rdma, another
     /// protocol version, truncated). Maps to [`io::ErrorKind::InvalidData`].
     #[error("invalid handshake from peer: {0}")]
-    Handshake(#[from] crate::proto::handshake::HandshakeError),
+    Handshake(#[from] HandshakeError),
 
     /// The peer broke the stream protocol (bad immediate data, overran its
     /// credit). The connection is aborted. Maps to
     /// [`io::ErrorKind::InvalidData`].
     #[error("protocol violation by peer: {0}")]
-    Protocol(#[from] crate::proto::ProtocolError),
+    Protocol(#[from] ProtocolError),
 
     /// The peer of a message endpoint broke the message protocol (see
-    /// [`MessageError`](crate::proto::message::MessageError) for each case:
+    /// `MessageError` for each case:
     /// an oversized announcement, a bad sequence number, credit overflow).
     /// The endpoint sent an ABORT and is unusable. Maps to
     /// [`io::ErrorKind::InvalidData`].
     #[error("message protocol violation by peer: {0}")]
-    Message(#[from] crate::proto::message::MessageError),
+    Message(#[from] MessageError),
 
     /// The peer of a message endpoint aborted it with `code` (0: its
     /// application; 1 and up: it found a protocol error of ours, named by
-    /// [`MessageError::abort_code`](crate::proto::message::MessageError::abort_code)).
+    /// [`MessageError::abort_code`](MessageError::abort_code)).
     /// Maps to [`io::ErrorKind::ConnectionReset`].
     #[error("message endpoint aborted by peer with code {code} ({reason})")]
     PeerAborted {
@@ -154,15 +158,17 @@ pub enum Error {
 
     /// A work request completed with an error status (`ibv_wc_status`,
     /// libibverbs' `enum ibv_wc_status`; [`wc_status_name`](Self::wc_status_name)
-    /// names it). `op` is the work the request did (`"RDMA WRITE"`,
-    /// `"SEND"`, `"RDMA READ"`, `"receive"`). Maps to
+    /// names it). `op` is the work the request did (`"RDMA WRITE WITH
+    /// IMM"`, `"SEND"`, `"RDMA READ"`, `"receive"`). Maps to
+    /// [`io::ErrorKind::InvalidData`] for REM_ACCESS_ERR (10) on an RDMA
+    /// READ (the peer's announced range or key does not allow it: a bogus
+    /// rendezvous announcement, or memory the peer deregistered),
     /// [`io::ErrorKind::ConnectionReset`] for the statuses that mean the peer
-    /// is gone (WR_FLUSH_ERR 5, RETRY_EXC_ERR 12, RNR_RETRY_EXC_ERR 13,
-    /// RESP_TIMEOUT_ERR 20), [`io::ErrorKind::InvalidData`] for
-    /// REM_ACCESS_ERR (10: the peer refused the address or key used, for
-    /// example a bogus rendezvous announcement) and
-    /// [`io::ErrorKind::ConnectionAborted`] for every other status.
-    #[error("{op} work request failed with ibv_wc_status {status} ({})", Error::wc_status_name(*status))]
+    /// is gone (WR_FLUSH_ERR 5, REM_ACCESS_ERR 10 on a WRITE into a ring the
+    /// dying peer deregistered, RETRY_EXC_ERR 12, RNR_RETRY_EXC_ERR 13,
+    /// RESP_TIMEOUT_ERR 20) and [`io::ErrorKind::ConnectionAborted`] for
+    /// every other status.
+    #[error("{op} work request failed: ibv_wc_status {status} ({}{})", Error::wc_status_name(*status), if *status == 10 { ", a remote access error: the peer's memory key or range does not allow it" } else { "" })]
     WorkCompletion {
         /// What the work request did.
         op: &'static str,
@@ -213,6 +219,19 @@ pub enum Error {
     LingerTimeout {
         /// The bound that ran out.
         timeout: std::time::Duration,
+    },
+
+    /// The pool has no memory for a message the peer announced (`len`
+    /// bytes; `source` says why: larger than the largest size class, or
+    /// exhausted under [`ExhaustedPolicy::Error`](crate::pool::ExhaustedPolicy::Error)).
+    /// The endpoint aborts. Maps to [`io::ErrorKind::OutOfMemory`].
+    #[error("no pool memory for an incoming message of {len} bytes: {source}")]
+    IncomingMessageMemory {
+        /// The announced length in bytes.
+        len: u64,
+        /// The pool's refusal.
+        #[source]
+        source: PoolError,
     },
 
     /// A broken internal invariant (a bug in tokio-rdma, never the peer's
@@ -303,11 +322,12 @@ impl Error {
                 Some(libc::ENODEV) => io::ErrorKind::NotFound,
                 _ => io::ErrorKind::HostUnreachable,
             },
-            Error::WorkCompletion { status, .. } => match status {
-                5 | 12 | 13 | 20 => io::ErrorKind::ConnectionReset,
-                10 => io::ErrorKind::InvalidData,
+            Error::WorkCompletion { status, op } => match status {
+                10 if *op == "RDMA READ" => io::ErrorKind::InvalidData,
+                5 | 10 | 12 | 13 | 20 => io::ErrorKind::ConnectionReset,
                 _ => io::ErrorKind::ConnectionAborted,
             },
+            Error::IncomingMessageMemory { .. } => io::ErrorKind::OutOfMemory,
             Error::PeerDisconnected => io::ErrorKind::ConnectionReset,
             Error::DeviceRemoved | Error::LocalAbort => io::ErrorKind::ConnectionAborted,
             Error::WriteAfterShutdown | Error::PeerClosed => io::ErrorKind::BrokenPipe,
@@ -389,6 +409,10 @@ impl Clone for Error {
             Error::NotConnected => Error::NotConnected,
             Error::LocalAbort => Error::LocalAbort,
             Error::LingerTimeout { timeout } => Error::LingerTimeout { timeout: *timeout },
+            Error::IncomingMessageMemory { len, source } => Error::IncomingMessageMemory {
+                len: *len,
+                source: source.clone(),
+            },
             Error::Internal(s) => Error::Internal(s.clone()),
         }
     }
@@ -531,5 +555,77 @@ mod tests {
                 io::Error::from_raw_os_error(libc::ENOMEM)
             )
         );
+    }
+
+    #[test]
+    fn clones_keep_the_errno_and_every_field() {
+        let e = Error::Pool(PoolError::Registration {
+            len: 65536,
+            source: io::Error::from_raw_os_error(libc::ENOMEM),
+        });
+        let c = e.clone();
+        assert_eq!(c.kind(), io::ErrorKind::OutOfMemory);
+        match c {
+            Error::Pool(PoolError::Registration { len, source }) => {
+                assert_eq!(len, 65536);
+                assert_eq!(source.raw_os_error(), Some(libc::ENOMEM));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(e.to_string(), e.clone().to_string());
+    }
+
+    #[test]
+    fn work_completion_kinds_follow_the_status_and_operation() {
+        let wc = |op, status| Error::WorkCompletion { op, status }.kind();
+        assert_eq!(wc("RDMA READ", 10), io::ErrorKind::InvalidData);
+        assert_eq!(
+            wc("RDMA WRITE WITH IMM", 10),
+            io::ErrorKind::ConnectionReset
+        );
+        assert_eq!(wc("SEND", 12), io::ErrorKind::ConnectionReset);
+        assert_eq!(wc("SEND", 13), io::ErrorKind::ConnectionReset);
+        assert_eq!(wc("receive", 5), io::ErrorKind::ConnectionReset);
+        assert_eq!(wc("SEND", 4), io::ErrorKind::ConnectionAborted);
+        assert_eq!(Error::wc_status_name(12), "RETRY_EXC_ERR");
+        assert_eq!(Error::wc_status_name(99), "unknown");
+        let msg = Error::WorkCompletion {
+            op: "RDMA READ",
+            status: 10,
+        }
+        .to_string();
+        assert_eq!(
+            msg,
+            "RDMA READ work request failed: ibv_wc_status 10 (REM_ACCESS_ERR, a remote \
+             access error: the peer's memory key or range does not allow it)"
+        );
+    }
+
+    #[test]
+    fn from_io_and_find_reach_the_error_through_wrappers() {
+        let io_err: io::Error = Error::PeerDisconnected.into();
+        assert_eq!(io_err.kind(), io::ErrorKind::ConnectionReset);
+        assert!(matches!(
+            Error::from_io(&io_err),
+            Some(Error::PeerDisconnected)
+        ));
+        // As hyper wraps it: an error whose source is the io::Error.
+        #[derive(Debug)]
+        struct Wrapper(io::Error);
+        impl std::fmt::Display for Wrapper {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("wrapped")
+            }
+        }
+        impl std::error::Error for Wrapper {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let w = Wrapper(io_err);
+        assert!(matches!(Error::find(&w), Some(Error::PeerDisconnected)));
+        let plain = io::Error::other("not ours");
+        assert!(Error::from_io(&plain).is_none());
+        assert!(Error::find(&plain).is_none());
     }
 }

@@ -10,17 +10,26 @@
 //!
 //! Layers, bottom up (see the README's design notes):
 //! - [`verbs`]: the only code that calls libibverbs/librdmacm (through
-//!   `sideway`); device, port and GID discovery.
-//! - [`proto`]: the sans-IO protocol core: no I/O, no clock, no `unsafe`.
-//! - [`pool`]: registered memory shared by every connection on a device.
-//! - the runtimes (`stream`, `message`): drive the cores on tokio (`AsyncFd`
-//!   for the completion and rdma_cm channels, one driver task per
-//!   connection).
+//!   `sideway` and `rdma-mummy-sys`): devices, PDs, CQs, QPs, MRs, rdma_cm.
+//!   It imports nothing above it but the error type.
+//! - `proto` (internal): the sans-IO protocol core (handshake, stream and
+//!   message state machines): no I/O, no clock, no `unsafe`. Its error and
+//!   statistics types are public through [`error`] and [`message`].
+//! - [`pool`]: registered memory shared by the connections on a device.
+//! - `conn` (internal): the connection core both endpoint kinds run on:
+//!   connect/accept, the listener, handles, one driver task per connection,
+//!   errors that reach every waiter.
+//! - the kind runtimes (`stream`, [`message`]): only what differs between a
+//!   byte stream and a message endpoint.
+//! - [`transport`]: the `tcp://`/`rdma://`/`auto://` switch and its
+//!   hyper/axum/tonic integrations.
 //!
 //! Errors are one [`Error`] enum that converts into [`std::io::Error`] with a
-//! deliberate [`std::io::ErrorKind`].
+//! deliberate [`std::io::ErrorKind`]; every error after connect carries it
+//! too ([`Error::from_io`] gets it back).
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod config;
 mod conn;
@@ -28,7 +37,7 @@ pub mod error;
 pub mod message;
 #[allow(unsafe_code)]
 pub mod pool;
-pub mod proto;
+pub(crate) mod proto;
 pub mod stats;
 mod stream;
 pub mod transport;

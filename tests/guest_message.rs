@@ -9,18 +9,27 @@
 use std::io;
 use std::time::Duration;
 
+use tokio_rdma::message::MessageStats;
 use tokio_rdma::pool::{ExhaustedPolicy, MemoryPool, PoolConfig};
-use tokio_rdma::proto::message::MessageStats;
 use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, PoolBytes};
 
 const IP: &str = "10.11.0.1";
 const MIB: usize = 1024 * 1024;
 
-/// Deterministic content: byte `i` of message `seed` (xorshift-free, cheap).
+/// Deterministic content of message `seed`: byte `i` is
+/// a splitmix64 hash of (seed, i / 8), so the pattern has no period shorter
+/// than 2^64 bytes: bytes from a stale lap of a ring never match.
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i as u64).wrapping_mul(2654435761) ^ seed.wrapping_mul(0x9E37_79B9)) as u8)
-        .collect()
+    (0..len as u64).map(|i| pattern_byte(seed, i)).collect()
+}
+
+fn pattern_byte(seed: u64, i: u64) -> u8 {
+    let mut z = (i / 8) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> ((i % 8) * 8)) as u8
 }
 
 fn crc(data: &[u8]) -> u32 {
@@ -401,7 +410,7 @@ async fn streams_and_message_endpoints_refuse_each_other() {
 
 /// Refused by the listener because the endpoint kinds differ.
 fn assert_wrong_kind(err: &io::Error) {
-    use tokio_rdma::proto::handshake::RejectReason;
+    use tokio_rdma::error::RejectReason;
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
     let inner = err
         .get_ref()
@@ -571,4 +580,83 @@ async fn without_inline_data_payloads_and_rts_headers_go_by_sge() {
     assert_eq!(sent.inline_sent, 0);
     assert_eq!(sent.eager_sent, 100);
     assert_eq!(sent.rendezvous_sent, 200);
+}
+
+/// Sends `sig` (`STOP`, `CONT`) to the child with `kill(1)`.
+fn signal(child: &tokio::process::Child, sig: &str) {
+    let pid = child.id().expect("the child is running").to_string();
+    let st = std::process::Command::new("kill")
+        .args([&format!("-{sig}"), &pid])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{sig} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_resolves_every_waiting_future_with_an_error() {
+    let addr = format!("{IP}:7704");
+    let mut child = tokio::process::Command::new(example("bulk_transfer"))
+        .args(["server", &addr])
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pool = rxe_pool(256 * MIB, ExhaustedPolicy::Wait);
+    let cfg = MessageConfig::new().pool(pool.clone()).send_queue_limit(4);
+    let mut ep = None;
+    for _ in 0..100 {
+        match MessageEndpoint::connect_with(addr.as_str(), &cfg).await {
+            Ok(c) => {
+                ep = Some(c);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let ep = ep.expect("bulk_transfer server came up");
+    signal(&child, "STOP");
+    // 64 send+flush futures (7 of 8 eager 4 KiB, 1 of 8 an 8 MiB
+    // rendezvous the stopped peer never READs) and 4 recv futures, each on
+    // its own clone.
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..64 {
+        let ep = ep.clone();
+        let len = if i % 8 == 7 { 8 * MIB } else { 4096 };
+        tasks.spawn(async move {
+            let mut buf = ep.pool().alloc_any(len).await?;
+            buf.set_len(len);
+            ep.send(buf).await?;
+            ep.flush().await
+        });
+    }
+    for _ in 0..4 {
+        let ep = ep.clone();
+        tasks.spawn(async move { ep.recv().await.map(|_| ()) });
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        tasks.try_join_next().is_none(),
+        "every future waits while the peer is stopped"
+    );
+    assert_eq!(tasks.len(), 68);
+    child.kill().await.unwrap();
+    let mut errors = 0;
+    let all = async {
+        while let Some(r) = tasks.join_next().await {
+            let e = r
+                .unwrap()
+                .expect_err("no future succeeds once the peer died");
+            assert!(
+                tokio_rdma::Error::from_io(&e).is_some(),
+                "typed error: {e:?}"
+            );
+            errors += 1;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), all)
+        .await
+        .expect("every waiting future is woken");
+    assert_eq!(errors, 64 + 4);
+    drop(ep);
+    wait_in_use_zero(&pool).await;
 }

@@ -10,13 +10,20 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_rdma::proto::RejectReason;
+use tokio_rdma::error::RejectReason;
 use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
 
 const IP: &str = "10.11.0.1";
 
+/// A splitmix64 hash of (seed, i / 8), so the pattern has no period shorter
+/// than 2^64 bytes: bytes from a stale lap of a ring never match.
 fn pattern(seed: u64, i: u64) -> u8 {
-    (i.wrapping_mul(0x9E37_79B9).wrapping_add(seed) >> 7) as u8 ^ (i as u8)
+    let mut z = (i / 8) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> ((i % 8) * 8)) as u8
 }
 
 async fn bind(cfg: &RdmaConfig) -> RdmaListener {
@@ -533,4 +540,182 @@ async fn address_without_rdma_route_is_unreachable() {
     let inner = err.get_ref().and_then(|e| e.downcast_ref::<Error>());
     assert!(matches!(inner, Some(Error::Unreachable { .. })), "{err:?}");
     assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_bind_is_refused_with_a_typed_error() {
+    let err = RdmaListener::bind("127.0.0.1:0").await.unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::AddrNotAvailable, "{err}");
+    assert!(
+        matches!(Error::from_io(&err), Some(Error::NoDeviceForAddress { addr }) if addr.is_loopback()),
+        "{err:?}"
+    );
+}
+
+// ---- A peer process that stops or dies (SIGSTOP / SIGKILL) --------------
+
+/// The path of an example binary (`cargo test` builds them beside the tests).
+fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(bin.exists(), "{} must be built", bin.display());
+    bin
+}
+
+/// Sends `sig` (`STOP`, `CONT`) to the child with `kill(1)`.
+fn signal(child: &tokio::process::Child, sig: &str) {
+    let pid = child.id().expect("the child is running").to_string();
+    let st = std::process::Command::new("kill")
+        .args([&format!("-{sig}"), &pid])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{sig} {pid}");
+}
+
+/// Starts `examples/echo server` on `port` and connects to it.
+async fn echo_child(port: u16) -> (tokio::process::Child, RdmaStream) {
+    let addr = format!("{IP}:{port}");
+    let child = tokio::process::Command::new(example("echo"))
+        .args(["server", &addr])
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    for _ in 0..100 {
+        if let Ok(s) = RdmaStream::connect(addr.as_str()).await {
+            return (child, s);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the echo server at {addr} did not come up");
+}
+
+/// The QPs on this host (`rdma resource show qp`, one line per QP).
+fn qp_count() -> usize {
+    let out = std::process::Command::new("rdma")
+        .args(["resource", "show", "qp"])
+        .output()
+        .expect("the rdma tool (iproute2) runs in the guest");
+    assert!(out.status.success(), "rdma resource show qp");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("lqpn"))
+        .count()
+}
+
+async fn wait_qp_count(want: usize) {
+    for _ in 0..400 {
+        if qp_count() == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(qp_count(), want, "every QP freed");
+}
+
+/// Ring (128 KiB) plus send buffer (64 KiB) with the default config: what
+/// a stopped peer's NIC and our buffer take before a write blocks.
+const FULL: usize = 192 * 1024;
+
+fn pattern_buf(seed: u64, len: usize) -> Vec<u8> {
+    (0..len as u64).map(|i| pattern(seed, i)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_a_stopped_peer_returns_at_once_and_delivers_on_resume() {
+    let (child, mut s) = echo_child(7711).await;
+    signal(&child, "STOP");
+    let data = pattern_buf(11, FULL);
+    tokio::time::timeout(Duration::from_secs(30), s.write_all(&data))
+        .await
+        .expect("ring + send buffer take 192 KiB with the peer stopped")
+        .unwrap();
+    // TCP parity: shutdown queues the FIN behind the buffered bytes and
+    // returns; it does not wait for credit a stopped peer cannot return.
+    tokio::time::timeout(Duration::from_secs(10), s.shutdown())
+        .await
+        .expect("shutdown returns while the peer is stopped")
+        .unwrap();
+    let err = s.write_all(b"x").await.unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
+    assert!(matches!(
+        Error::from_io(&err),
+        Some(Error::WriteAfterShutdown)
+    ));
+    signal(&child, "CONT");
+    let mut back = Vec::with_capacity(FULL);
+    tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut back))
+        .await
+        .expect("the resumed peer echoes everything, then its FIN")
+        .unwrap();
+    assert_eq!(back.len(), FULL);
+    assert!(back == data, "echoed bytes equal");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_stream_with_a_killed_peer_frees_everything() {
+    let before = qp_count();
+    let (mut child, mut s) = echo_child(7712).await;
+    signal(&child, "STOP");
+    tokio::time::timeout(Duration::from_secs(30), s.write_all(&pattern_buf(12, FULL)))
+        .await
+        .expect("writes fit while the peer is stopped")
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(10), s.shutdown())
+        .await
+        .expect("shutdown returns at once")
+        .unwrap();
+    // Delivery of the last 64 KiB and the FIN goes on in the background...
+    drop(s);
+    // ...until the peer dies: then it gives up and frees the QP.
+    child.kill().await.unwrap();
+    wait_qp_count(before).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_wakes_a_blocked_reader_and_a_blocked_writer() {
+    let (mut child, s) = echo_child(7713).await;
+    signal(&child, "STOP");
+    let (mut rd, mut wr) = s.into_split();
+    let reader = tokio::spawn(async move {
+        let mut buf = [0u8; 4096];
+        rd.read(&mut buf).await
+    });
+    let writer = tokio::spawn(async move {
+        let chunk = pattern_buf(13, 64 * 1024);
+        loop {
+            if let Err(e) = wr.write_all(&chunk).await {
+                return e;
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!reader.is_finished(), "nothing to read from a stopped peer");
+    assert!(!writer.is_finished(), "the writer blocks on full buffers");
+    child.kill().await.unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(20), reader)
+        .await
+        .expect("the reader is woken")
+        .unwrap();
+    let w = tokio::time::timeout(Duration::from_secs(20), writer)
+        .await
+        .expect("the writer is woken")
+        .unwrap();
+    let r = r.expect_err("a vanished peer is an error for the reader, never EOF");
+    assert_eq!(r.kind(), io::ErrorKind::ConnectionReset, "{r}");
+    assert!(Error::from_io(&r).is_some(), "typed: {r:?}");
+    assert!(
+        matches!(
+            w.kind(),
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+        ),
+        "{w}"
+    );
+    assert!(Error::from_io(&w).is_some(), "typed: {w:?}");
 }

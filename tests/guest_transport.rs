@@ -151,3 +151,45 @@ async fn auto_client_against_rdma_only_listener() {
     })
     .await;
 }
+
+/// A misconfiguration is an error, not a silent fallback: an `auto://`
+/// client whose `RdmaConfig::device` names no device gets `NotFound`
+/// (`DeviceNotFound`) although the peer serves TCP too, and nothing is
+/// counted as a fallback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_with_a_wrong_device_is_an_error_not_a_fallback() {
+    within(LIMIT, "auto wrong device", async {
+        let listener = Listener::bind(format!("auto://{IP}:0")).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let before = tokio_rdma::transport::fallback_count();
+        let cfg = tokio_rdma::RdmaConfig::new().device("mlx5_99");
+        let err = tokio_rdma::transport::Stream::connect_with(format!("auto://{IP}:{port}"), &cfg)
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::NotFound, "{err}");
+        assert!(
+            matches!(
+                tokio_rdma::Error::from_io(&err),
+                Some(tokio_rdma::Error::DeviceNotFound { name }) if name == "mlx5_99"
+            ),
+            "{err:?}"
+        );
+        assert_eq!(tokio_rdma::transport::fallback_count(), before);
+    })
+    .await;
+}
+
+/// No RDMA device has a loopback address: `rdma://127.0.0.1` is refused at
+/// bind, and `auto://127.0.0.1` serves TCP only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_auto_listener_serves_tcp_only() {
+    within(LIMIT, "loopback", async {
+        let err = Listener::bind("rdma://127.0.0.1:0").await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AddrNotAvailable, "{err}");
+        let listener = Listener::bind("auto://127.0.0.1:0").await.unwrap();
+        assert!(listener.serves(Transport::Tcp));
+        assert!(!listener.serves(Transport::Rdma));
+        assert!(listener.rdma_local_addr().is_none());
+    })
+    .await;
+}

@@ -12,7 +12,7 @@ use tokio::task::JoinSet;
 use tracing::{Instrument, debug, warn};
 
 use super::setup::{Setup, accept_one, first_resolved};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::proto::handshake::{RejectReason, encode_reject};
 use crate::verbs::cm::{CmEventKind, CmId, EventChannel};
 
@@ -42,6 +42,12 @@ impl<S: Setup> Listener<S> {
 
     fn bind_one(addr: SocketAddr, setup: S) -> Result<Listener<S>> {
         crate::verbs::devices()?;
+        // rdma_cm binds a loopback address, but no RDMA device has one, so
+        // no connect to it could ever succeed: refuse it here (an `auto://`
+        // listener then serves TCP only there).
+        if addr.ip().is_loopback() {
+            return Err(Error::NoDeviceForAddress { addr: addr.ip() });
+        }
         let cfg = setup.rdma();
         let channel = EventChannel::new()?;
         let id = CmId::new(&channel)?;

@@ -114,6 +114,13 @@ impl MsgState {
         );
         let is_recv = wc.wr_id & RECV_WR_FLAG != 0;
         if wc.status != WC_SUCCESS {
+            let op = if is_recv {
+                "receive"
+            } else if self.qp.is_read(wc.wr_id) {
+                "RDMA READ"
+            } else {
+                "SEND"
+            };
             if is_recv {
                 drop(self.qp.take_recv(wc.wr_id, 0));
             } else {
@@ -125,11 +132,6 @@ impl MsgState {
             // REM_ACCESS_ERR on a READ: the announced range or rkey is not
             // (or no longer) registered for remote read at the peer: a bogus
             // announcement, or a peer that deregistered it by exiting.
-            let op = if is_recv {
-                "receive"
-            } else {
-                "SEND or RDMA READ"
-            };
             self.lost(Error::WorkCompletion {
                 op,
                 status: wc.status,
@@ -258,7 +260,7 @@ impl MsgState {
                     self.allocs.clear();
                     warn!(len, error = %e, "no memory for an incoming message; aborting");
                     self.core.abort(ABORT_CODE_APPLICATION);
-                    self.fail(Error::Pool(e));
+                    self.fail(Error::IncomingMessageMemory { len, source: e });
                     break;
                 }
             }
@@ -350,7 +352,7 @@ impl Driven for MsgState {
     /// unread data), an error for every waiter.
     fn on_disconnected(&mut self) {
         let clean =
-            self.core.all_sent() && self.qp.sends_held() == 0 && self.core.pending_recv() == 0;
+            self.core.all_sent() && self.qp.sends_held() == 0 && self.core.incomplete_recv() == 0;
         self.qp.as_mut().set_error();
         if clean {
             self.peer_closed = true;
@@ -435,7 +437,7 @@ impl MsgConn {
             return Poll::Ready(Err(e));
         }
         if st.peer_closed || st.closing {
-            if st.core.pending_recv() > 0 {
+            if st.core.incomplete_recv() > 0 {
                 return Poll::Ready(Err(Error::PeerDisconnected.into()));
             }
             return Poll::Ready(Ok(None));

@@ -10,15 +10,15 @@
 //! allocated from its [`MemoryPool`], so a message is limited only by memory.
 //! [`MessageEndpoint::recv`] hands out that very buffer as a [`PoolBytes`]
 //! (derefs to `[u8]`, converts into [`bytes::Bytes`] without copying).
-//! The wire protocol, credits and its deadlock argument are in
-//! [`proto::message`](crate::proto::message).
+//! The wire protocol (src/proto/message.rs) documents the credits and the
+//! argument for why they cannot deadlock.
 //!
 //! # Ports
 //!
 //! A message listener has a port of its own, like a second `TcpListener`:
 //! the handshake carries the endpoint kind, and a stream client that reaches
 //! a message listener (or the reverse) is rejected with
-//! [`RejectReason::WrongKind`](crate::proto::handshake::RejectReason::WrongKind),
+//! [`RejectReason::WrongKind`](crate::error::RejectReason::WrongKind),
 //! so a mix-up is a clear error rather than garbage. Sharing one port would
 //! need one listener to hand out two kinds of connection, which neither
 //! `TcpListener`-style API can express.
@@ -56,6 +56,7 @@ use crate::proto::message::{
 use crate::verbs::cm::CmId;
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
 
+pub use crate::proto::message::MessageStats;
 use conn::MsgState;
 use qp::MessageQp;
 pub use qp::PostedSge;
@@ -512,8 +513,8 @@ impl MessageEndpoint {
     }
 
     /// A snapshot of the endpoint's counters (see
-    /// [`MessageStats`](crate::proto::message::MessageStats)).
-    pub fn stats(&self) -> crate::proto::message::MessageStats {
+    /// [`MessageStats`]).
+    pub fn stats(&self) -> MessageStats {
         self.conn.stats()
     }
 

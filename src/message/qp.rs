@@ -3,7 +3,7 @@
 //! RDMA READ into them is outstanding, and the messages being sent.
 //!
 //! Buffers are named by the runtime's tokens (those of
-//! [`MessageCore`](crate::proto::message::MessageCore)). The runtime can only
+//! `MessageCore`). The runtime can only
 //! take a buffer back once the NIC is done with it: a receive buffer after
 //! its completion, a destination once no READ into it is outstanding. So
 //! the `unsafe` of posting work requests (WRs) with scatter/gather elements
@@ -25,6 +25,7 @@ const RTS_SLOT: usize = 32;
 /// The SGE of the last data WR posted (a SEND with payload or a READ), for
 /// the zero-copy checks of the test suite.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PostedSge {
     /// Virtual address the NIC reads (SEND) or writes (READ).
     pub addr: u64,
@@ -161,6 +162,14 @@ impl MessageQp {
     /// Messages held for sending.
     pub(crate) fn sends_held(&self) -> usize {
         self.sending.len()
+    }
+
+    /// Whether send-queue WR `wr_id` (posted, not yet known complete) is an
+    /// RDMA READ.
+    pub(crate) fn is_read(&self, wr_id: u64) -> bool {
+        self.outstanding
+            .iter()
+            .any(|&(id, dest)| id == wr_id && dest.is_some())
     }
 
     /// Send-queue WR `wr_id` completed (successfully or flushed): it and

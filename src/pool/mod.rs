@@ -70,6 +70,7 @@ const DEDICATED: usize = usize::MAX;
 /// What [`MemoryPool::alloc`] does when no buffer of the class is free and
 /// the bound on registered bytes forbids a new slab.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum ExhaustedPolicy {
     /// Wait (asynchronously) until a buffer returns to the pool or a slab
     /// can be reclaimed. The default: exhaustion becomes back-pressure.

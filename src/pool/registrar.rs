@@ -12,6 +12,7 @@ use crate::verbs::rc::{MemoryRegistration, MrAccess, OpenDevice};
 
 /// What the NIC may do with registered memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Access {
     /// Local write, remote write and remote read
     /// (`IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ`): pool memory,

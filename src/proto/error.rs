@@ -4,10 +4,10 @@
 /// The peer broke the stream protocol, or the runtime fed the core something
 /// inconsistent.
 ///
-/// Returned by [`Imm::decode`](crate::proto::imm::Imm::decode),
-/// [`StreamCore::on_recv`](crate::proto::stream::StreamCore::on_recv),
-/// [`StreamCore::on_send_complete`](crate::proto::stream::StreamCore::on_send_complete)
-/// and [`StreamCore::new`](crate::proto::stream::StreamCore::new). Every
+/// Returned by `Imm::decode`,
+/// `StreamCore::on_recv`,
+/// `StreamCore::on_send_complete`
+/// and `StreamCore::new`. Every
 /// variant names the numbers involved. After `on_recv` returns one, the core
 /// has aborted the connection itself and queued an ABORT carrying
 /// [`ProtocolError::abort_code`] for the peer.
@@ -91,7 +91,7 @@ pub enum ProtocolError {
         /// outstanding.
         outstanding: Option<(u64, u64)>,
     },
-    /// A [`StreamParams`](crate::proto::stream::StreamParams) field is out of
+    /// A `StreamParams` field is out of
     /// range.
     #[error("invalid stream parameter {name} = {value}: {allowed}")]
     InvalidParams {
@@ -110,7 +110,7 @@ impl ProtocolError {
     /// `WrOverrun` 4, `CreditOverflow` 5, `DataAfterFin` 6, `DuplicateFin` 7,
     /// `MessageAfterAbort` 8, `UnknownWrId` 9, `InvalidParams` 10. Code 0 is
     /// left for aborts requested by the application
-    /// ([`ABORT_CODE_APPLICATION`](crate::proto::stream::ABORT_CODE_APPLICATION)).
+    /// (`ABORT_CODE_APPLICATION`).
     pub fn abort_code(&self) -> u32 {
         match self {
             ProtocolError::BadImm { .. } => 1,

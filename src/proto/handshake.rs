@@ -227,20 +227,20 @@ impl Hello {
     }
 }
 
-/// Why a [`Hello`] could not be accepted.
+/// Why a `Hello` could not be accepted.
 ///
 /// Each variant maps onto the [`RejectReason`] a server sends back
 /// ([`HandshakeError::reject_reason`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum HandshakeError {
-    /// The private data held fewer than [`HELLO_LEN`] (32) bytes.
+    /// The private data held fewer than `HELLO_LEN` (32) bytes.
     #[error("handshake truncated: {len} bytes of private data, need {HELLO_LEN}")]
     Truncated {
         /// Number of bytes received.
         len: usize,
     },
-    /// The first four bytes were not [`MAGIC`]: the peer is not tokio-rdma.
+    /// The first four bytes were not `MAGIC`: the peer is not tokio-rdma.
     #[error(
         "handshake has bad magic {found:#010x}, expected {MAGIC:#010x} (\"TKRD\"): peer is not tokio-rdma"
     )]
@@ -253,7 +253,7 @@ pub enum HandshakeError {
     UnsupportedVersion {
         /// The peer's version.
         found: u16,
-        /// The version this side speaks ([`VERSION`]).
+        /// The version this side speaks (`VERSION`).
         supported: u16,
     },
     /// The kind byte is neither 1 (byte stream) nor 2 (message endpoint).
@@ -306,7 +306,7 @@ impl From<&HandshakeError> for RejectReason {
 }
 
 /// Why a server rejected a connection request; carried in the
-/// `rdma_reject` private data ([`encode_reject`], [`decode_reject`]).
+/// `rdma_reject` private data (`encode_reject`, `decode_reject`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum RejectReason {

@@ -249,8 +249,8 @@ impl RtsHeader {
 /// The peer broke the message protocol, or the runtime fed the core
 /// something inconsistent.
 ///
-/// After [`MessageCore::on_recv`] returns one, the core has aborted the
-/// connection itself (as [`MessageCore::abort`] does) and queued an ABORT
+/// After `MessageCore::on_recv` returns one, the core has aborted the
+/// connection itself (as `MessageCore::abort` does) and queued an ABORT
 /// carrying [`MessageError::abort_code`]. Errors of the runtime's own calls
 /// (`UnknownWrId`, `NoDestinationRequested`, `InvalidParams`) change nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -279,7 +279,7 @@ pub enum MessageError {
         /// The largest eager message, bytes.
         eager_max: u32,
     },
-    /// An RTS whose payload is not exactly [`RTS_HEADER_LEN`] bytes (or the
+    /// An RTS whose payload is not exactly `RTS_HEADER_LEN` bytes (or the
     /// runtime passed fewer bytes of it).
     #[error("RTS with a {byte_len}-byte payload ({available} bytes readable); 20 expected")]
     BadRtsHeader {
@@ -371,14 +371,14 @@ pub enum MessageError {
         /// The oldest and newest outstanding wr_ids, `None` if none.
         outstanding: Option<(u64, u64)>,
     },
-    /// [`MessageCore::destination_ready`] with no
-    /// [`MsgEvent::AllocateDestination`] unanswered.
+    /// `MessageCore::destination_ready` with no
+    /// `MsgEvent::AllocateDestination` unanswered.
     #[error("destination {token} offered but none was requested")]
     NoDestinationRequested {
         /// The token offered.
         token: u64,
     },
-    /// A [`MessageParams`] field is out of range.
+    /// A `MessageParams` field is out of range.
     #[error("invalid message parameter {name} = {value}: {allowed}")]
     InvalidParams {
         /// The field name.
@@ -397,7 +397,7 @@ impl MessageError {
     /// `BadSequence` 8, `UnexpectedDone` 9, `UnexpectedPayload` 10,
     /// `CreditOverflow` 11, `RecvOverrun` 12, `MessageAfterAbort` 13,
     /// `UnknownWrId` 14, `NoDestinationRequested` 15, `InvalidParams` 16.
-    /// Code 0 is [`ABORT_CODE_APPLICATION`].
+    /// Code 0 is `ABORT_CODE_APPLICATION`.
     pub fn abort_code(&self) -> u32 {
         match self {
             MessageError::BadImm { .. } => 1,
@@ -663,9 +663,11 @@ impl Delivery {
     }
 }
 
-/// Counters of one message endpoint, from [`MessageCore::stats`]; all start
-/// at 0.
+/// Counters of one message endpoint, from
+/// [`MessageEndpoint::stats`](crate::MessageEndpoint::stats); all start at 0.
+/// `#[non_exhaustive]`: counters are added as the endpoint grows.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct MessageStats {
     /// Messages posted (EAGER or RTS).
     pub messages_sent: u64,
@@ -700,7 +702,7 @@ pub struct MessageStats {
     /// Control messages received.
     pub control_received: u64,
     /// Times a queued message became blocked on peer credit (at most
-    /// [`CONTROL_RESERVE`] left), once per blocked period.
+    /// `CONTROL_RESERVE` left), once per blocked period.
     pub credit_stalls: u64,
     /// Times a queued rendezvous became blocked on
     /// `max_rendezvous_in_flight`, once per blocked period.
@@ -1581,6 +1583,16 @@ impl MessageCore {
     /// Messages received (complete or not) and not yet taken.
     pub fn pending_recv(&self) -> usize {
         self.inbox.len()
+    }
+
+    /// Announced messages whose payload has not fully arrived (rendezvous
+    /// not yet read to the end). A peer that disconnects while this is
+    /// non-zero vanished in the middle of a message.
+    pub fn incomplete_recv(&self) -> usize {
+        self.inbox
+            .iter()
+            .filter(|m| matches!(m, Inbound::Rendezvous { dest: None, .. }))
+            .count()
     }
 
     /// True once every queued message is posted, every rendezvous got its

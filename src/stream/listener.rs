@@ -68,7 +68,7 @@ impl RdmaListener {
     /// 0 picks a free rdma_cm port) with the default [`RdmaConfig`].
     ///
     /// # Errors
-    /// `NotFound` ([`Error::NoDevice`]) without an RDMA device,
+    /// `NotFound` (`Error::NoDevice`) without an RDMA device,
     /// `AddrInUse`/`AddrNotAvailable` from `rdma_bind_addr`.
     pub async fn bind<A: ToSocketAddrs>(addr: A) -> io::Result<RdmaListener> {
         Self::bind_with(addr, &RdmaConfig::default()).await

@@ -27,7 +27,7 @@ type Handle = crate::conn::Handle<StreamState>;
 ///
 /// Data goes by RDMA WRITE WITH IMMEDIATE into a receive ring the peer
 /// registered; the immediate data carries lengths, credit, FIN and abort
-/// (see [`crate::proto`]). Semantics match TCP's:
+/// (see `crate::proto`). Semantics match TCP's:
 /// - `poll_read` returns EOF only after the peer's FIN and every byte before
 ///   it; a peer that vanished is `ConnectionReset`, never EOF.
 /// - `poll_shutdown` half-closes (reads keep working); later writes fail

@@ -15,6 +15,7 @@ use http::Uri;
 /// returns these two). [`Auto`](Self::Auto) is a request: a client tries RDMA
 /// and falls back to TCP; a listener serves both on one port number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Transport {
     /// The kernel's TCP ([`tokio::net::TcpStream`]). Scheme `tcp://`.
     Tcp,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use tokio::net::TcpListener;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::addr::{ToTransportAddr, Transport, TransportAddr};
 use super::{Stream, rdma_unavailable_here};
@@ -199,13 +199,18 @@ async fn bind_auto(addr: &TransportAddr, config: &RdmaConfig) -> io::Result<Inne
                     rdma: Some(rdma),
                 });
             }
-            Err(e) if rdma_unavailable_here(&e) => {
-                info!(addr = %addr, port, reason = %e, "auto listener: RDMA unavailable, serving TCP only");
-                return Ok(Inner::Auto { tcp, rdma: None });
+            Err(e) => {
+                if let Some(cause) = rdma_unavailable_here(&e) {
+                    warn!(addr = %addr, port, cause, error = %e, "auto listener: RDMA unavailable, serving TCP only");
+                    return Ok(Inner::Auto { tcp, rdma: None });
+                }
+                // The rdma_cm port of that number is taken: try another.
+                if e.kind() == io::ErrorKind::AddrInUse {
+                    last = Some(e);
+                    continue;
+                }
+                return Err(e);
             }
-            // The rdma_cm port of that number is taken: try another number.
-            Err(e) if e.kind() == io::ErrorKind::AddrInUse => last = Some(e),
-            Err(e) => return Err(e),
         }
     }
     Err(last.unwrap_or_else(|| io::Error::other("auto listener: no port free for TCP and RDMA")))

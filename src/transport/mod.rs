@@ -43,21 +43,29 @@ mod hyper;
 #[cfg(feature = "tonic")]
 mod tonic;
 
+use std::collections::HashSet;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use crate::error::{Error, PoolError};
 
 pub use addr::{AddrParseError, ToTransportAddr, Transport, TransportAddr};
 #[cfg(feature = "hyper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "hyper")))]
 pub use hyper::Connector;
 pub use listener::{Incoming, Listener};
 pub use stream::Stream;
 #[cfg(feature = "tonic")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
 pub use tonic::channel;
 
 /// The addresses and transport of one connection: what hyper's
 /// `Connected::extra` (response extensions), axum's `ConnectInfo` and tonic's
 /// request extensions carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct ConnectionInfo {
     /// This side's address (IP and TCP or rdma_cm port).
     pub local: SocketAddr,
@@ -68,81 +76,178 @@ pub struct ConnectionInfo {
     pub transport: Transport,
 }
 
-/// The inner [`crate::Error`] of an `io::Error`, if it has one.
-fn crate_error(e: &io::Error) -> Option<&crate::Error> {
-    e.get_ref().and_then(|e| e.downcast_ref::<crate::Error>())
-}
-
-/// RDMA cannot be used on this host or for this local address: no library,
-/// no device, no device with a GID for the address (ENODEV from rdma_cm).
-fn rdma_unavailable_here(e: &io::Error) -> bool {
-    if let Some(crate::Error::Verbs { source, .. }) = crate_error(e) {
-        if source.raw_os_error() == Some(libc::ENODEV) {
-            return true;
+/// Why RDMA cannot be used here for a listener: no library, no device, no
+/// device with a GID for the address (ENODEV from rdma_cm). `None` for every
+/// other error, a misconfiguration included (a wrong `RdmaConfig::device`,
+/// an invalid config): those are returned, never hidden by a fallback.
+fn rdma_unavailable_here(e: &io::Error) -> Option<&'static str> {
+    match Error::from_io(e)? {
+        Error::LibraryUnavailable { .. } => Some("no RDMA library on this host"),
+        Error::NoDevice => Some("no RDMA device on this host"),
+        Error::NoDeviceForAddress { .. } => Some("no RDMA device has this address"),
+        Error::Verbs { source, .. } | Error::Unreachable { source, .. }
+            if source.raw_os_error() == Some(libc::ENODEV) =>
+        {
+            Some("no RDMA device serves this address")
         }
+        _ => None,
     }
-    matches!(
-        e.kind(),
-        io::ErrorKind::NotFound | io::ErrorKind::Unsupported | io::ErrorKind::AddrNotAvailable
-    )
 }
 
-/// An RDMA connect error after which `auto://` tries TCP: RDMA unusable
-/// here, no RDMA route to the peer, or no RDMA listener there.
-fn falls_back_to_tcp(e: &io::Error) -> bool {
-    rdma_unavailable_here(e)
-        || matches!(
-            e.kind(),
-            io::ErrorKind::HostUnreachable
-                | io::ErrorKind::NetworkUnreachable
-                | io::ErrorKind::ConnectionRefused
-        )
+/// Why an `auto://` client falls back to TCP after the RDMA attempt failed
+/// with `e`, or `None` when it must not: the fallback covers a path without
+/// RDMA (nothing here, no RDMA route to the peer, no RDMA listener there)
+/// and a process that cannot pin memory (RLIMIT_MEMLOCK: `ENOMEM` from
+/// registration). A misconfiguration (`DeviceNotFound`, `InvalidConfig`), a
+/// handshake the peer rejected (another protocol version, the wrong endpoint
+/// kind), a timeout or a protocol error is returned as it is.
+fn fallback_cause(e: &io::Error) -> Option<&'static str> {
+    if let Some(cause) = rdma_unavailable_here(e) {
+        return Some(cause);
+    }
+    match Error::from_io(e)? {
+        Error::Unreachable { .. } => Some("no RDMA route to the peer"),
+        Error::ConnectionRefused { .. } => Some("no RDMA listener at the peer"),
+        Error::Verbs { source, .. } | Error::Pool(PoolError::Registration { source, .. })
+            if source.raw_os_error() == Some(libc::ENOMEM) =>
+        {
+            Some("cannot register memory (RLIMIT_MEMLOCK reached: raise `ulimit -l`)")
+        }
+        _ => None,
+    }
+}
+
+/// `auto://` connections that fell back to TCP in this process.
+static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+
+/// How many `auto://` connects in this process fell back to TCP (each is
+/// also logged: the first per peer address and cause with
+/// `tracing::warn!`, later ones at `debug`).
+pub fn fallback_count() -> u64 {
+    FALLBACKS.load(Ordering::Relaxed)
+}
+
+/// Counts a fallback; true the first time for this peer and cause (the
+/// caller warns then, and logs at debug after).
+fn note_fallback(peer: &str, cause: &'static str) -> bool {
+    static SEEN: OnceLock<Mutex<HashSet<(String, &'static str)>>> = OnceLock::new();
+    FALLBACKS.fetch_add(1, Ordering::Relaxed);
+    let mut seen = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    // Bounded: a process dialling ever new peers stops remembering them.
+    if seen.len() >= 4096 {
+        seen.clear();
+    }
+    seen.insert((peer.to_string(), cause))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Error;
 
     #[test]
     fn fallback_decisions() {
         let addr: SocketAddr = ([10, 11, 0, 1], 1).into();
-        let yes: Vec<io::Error> = vec![
-            Error::NoDevice.into(),
-            Error::LibraryUnavailable {
-                library: "libibverbs.so.1",
-            }
-            .into(),
-            Error::NoDeviceForAddress { addr: addr.ip() }.into(),
-            Error::Unreachable {
-                addr,
-                source: io::Error::from_raw_os_error(libc::ETIMEDOUT),
-            }
-            .into(),
-            Error::ConnectionRefused { addr }.into(),
-            Error::Verbs {
-                op: "rdma_bind_addr",
-                source: io::Error::from_raw_os_error(libc::ENODEV),
-            }
-            .into(),
+        let yes: Vec<(io::Error, &str)> = vec![
+            (Error::NoDevice.into(), "no RDMA device on this host"),
+            (
+                Error::LibraryUnavailable {
+                    library: "libibverbs.so.1",
+                }
+                .into(),
+                "no RDMA library on this host",
+            ),
+            (
+                Error::NoDeviceForAddress { addr: addr.ip() }.into(),
+                "no RDMA device has this address",
+            ),
+            (
+                Error::Unreachable {
+                    addr,
+                    source: io::Error::from_raw_os_error(libc::ETIMEDOUT),
+                }
+                .into(),
+                "no RDMA route to the peer",
+            ),
+            (
+                Error::ConnectionRefused { addr }.into(),
+                "no RDMA listener at the peer",
+            ),
+            (
+                Error::Verbs {
+                    op: "rdma_bind_addr",
+                    source: io::Error::from_raw_os_error(libc::ENODEV),
+                }
+                .into(),
+                "no RDMA device serves this address",
+            ),
+            (
+                Error::Pool(PoolError::Registration {
+                    len: 4096,
+                    source: io::Error::from_raw_os_error(libc::ENOMEM),
+                })
+                .into(),
+                "cannot register memory (RLIMIT_MEMLOCK reached: raise `ulimit -l`)",
+            ),
         ];
-        for e in &yes {
-            assert!(falls_back_to_tcp(e), "{e}");
+        for (e, cause) in &yes {
+            assert_eq!(fallback_cause(e), Some(*cause), "{e}");
         }
         let no: Vec<io::Error> = vec![
             Error::TimedOut { addr }.into(),
-            Error::Verbs {
-                op: "ibv_reg_mr",
-                source: io::Error::from_raw_os_error(libc::ENOMEM),
+            Error::DeviceNotFound {
+                name: "mlx5_9".into(),
             }
             .into(),
-            io::Error::new(io::ErrorKind::InvalidData, "garbage"),
+            Error::HandshakeRejected {
+                addr,
+                reason: crate::proto::handshake::RejectReason::UnsupportedVersion,
+                server_version: 9,
+            }
+            .into(),
+            Error::InvalidConfig {
+                field: "ring_size",
+                value: 0,
+                allowed: "4096..=1 GiB",
+            }
+            .into(),
+            Error::Verbs {
+                op: "ibv_create_qp",
+                source: io::Error::from_raw_os_error(libc::EINVAL),
+            }
+            .into(),
+            io::Error::new(io::ErrorKind::ConnectionRefused, "not ours"),
         ];
         for e in &no {
-            assert!(!falls_back_to_tcp(e), "{e}");
+            assert_eq!(fallback_cause(e), None, "{e}");
         }
-        assert!(!rdma_unavailable_here(
-            &Error::ConnectionRefused { addr }.into()
+        assert_eq!(
+            rdma_unavailable_here(&Error::ConnectionRefused { addr }.into()),
+            None
+        );
+    }
+
+    #[test]
+    fn a_fallback_is_counted_each_time_and_warned_once_per_peer_and_cause() {
+        let before = fallback_count();
+        assert!(note_fallback(
+            "auto://192.0.2.7:1",
+            "no RDMA listener at the peer"
         ));
+        assert!(!note_fallback(
+            "auto://192.0.2.7:1",
+            "no RDMA listener at the peer"
+        ));
+        assert!(note_fallback(
+            "auto://192.0.2.7:1",
+            "no RDMA route to the peer"
+        ));
+        assert!(note_fallback(
+            "auto://192.0.2.8:1",
+            "no RDMA listener at the peer"
+        ));
+        assert!(fallback_count() >= before + 4);
     }
 }

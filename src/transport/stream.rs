@@ -7,10 +7,10 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tracing::info;
+use tracing::{debug, warn};
 
+use super::ConnectionInfo;
 use super::addr::{ToTransportAddr, Transport, TransportAddr};
-use super::{ConnectionInfo, falls_back_to_tcp};
 use crate::{RdmaConfig, RdmaStream};
 
 /// A connection over TCP or RDMA, used like [`tokio::net::TcpStream`].
@@ -41,23 +41,29 @@ impl Stream {
     ///
     /// - `tcp://`: [`TcpStream::connect`].
     /// - `rdma://`: [`RdmaStream::connect_with`].
-    /// - `auto://`: RDMA first. It falls back to TCP, logging the reason with
-    ///   `tracing::info!`, when RDMA cannot be used on this path: no RDMA
-    ///   library or device here ([`crate::Error::LibraryUnavailable`],
-    ///   [`crate::Error::NoDevice`], kinds `Unsupported`/`NotFound`), no RDMA
-    ///   route to the peer ([`crate::Error::NoDeviceForAddress`],
-    ///   [`crate::Error::Unreachable`], kinds `AddrNotAvailable`,
-    ///   `HostUnreachable`, `NetworkUnreachable`), or the peer refused the
-    ///   RDMA connection ([`crate::Error::ConnectionRefused`] or a rejected
-    ///   handshake, kind `ConnectionRefused`: no RDMA listener on that port).
-    ///   The chosen transport is logged with `tracing::info!` too.
+    /// - `auto://`: RDMA first. It falls back to TCP only when the path has
+    ///   no RDMA: no RDMA library or device here
+    ///   ([`crate::Error::LibraryUnavailable`], [`crate::Error::NoDevice`]),
+    ///   no RDMA device or route for the address
+    ///   ([`crate::Error::NoDeviceForAddress`], [`crate::Error::Unreachable`]),
+    ///   no RDMA listener at the peer ([`crate::Error::ConnectionRefused`]),
+    ///   or a process that cannot pin memory (`ENOMEM` from registration:
+    ///   RLIMIT_MEMLOCK). Each fallback is counted
+    ///   ([`fallback_count`](super::fallback_count)) and logged with
+    ///   `tracing::warn!` the first time per peer and cause (at `debug`
+    ///   after). A misconfiguration ([`crate::Error::DeviceNotFound`],
+    ///   [`crate::Error::InvalidConfig`]) or a handshake the RDMA listener
+    ///   rejected ([`crate::Error::HandshakeRejected`]: another protocol
+    ///   version, the wrong endpoint kind, a full backlog) is returned, never
+    ///   hidden by a fallback.
     ///
     /// # Errors
     /// `InvalidInput` for a string that is not a transport address
     /// (the source is an [`AddrParseError`](super::AddrParseError)); otherwise
     /// the error of the transport tried last: for `auto://`, any RDMA error
     /// not listed above (for example `TimedOut`, `InvalidData`) is returned
-    /// without trying TCP, and after a fallback the TCP error is returned.
+    /// without trying TCP; after a fallback, an error with TCP's kind whose
+    /// message names both attempts.
     pub async fn connect_with(
         addr: impl ToTransportAddr,
         config: &RdmaConfig,
@@ -158,16 +164,27 @@ async fn connect_auto(addr: &TransportAddr, config: &RdmaConfig) -> io::Result<S
     let target = addr.host_port();
     match RdmaStream::connect_with(target, config).await {
         Ok(s) => {
-            info!(addr = %addr, peer = ?s.peer_addr().ok(), device = s.device(), "auto transport: connected over RDMA");
+            debug!(addr = %addr, peer = ?s.peer_addr().ok(), device = s.device(), "auto transport: connected over RDMA");
             Ok(Stream::Rdma(s))
         }
-        Err(e) if falls_back_to_tcp(&e) => {
-            info!(addr = %addr, reason = %e, "auto transport: RDMA unavailable, falling back to TCP");
-            let s = TcpStream::connect(target).await?;
-            info!(addr = %addr, peer = ?s.peer_addr().ok(), "auto transport: connected over TCP");
-            Ok(Stream::Tcp(s))
+        Err(e) => {
+            let Some(cause) = super::fallback_cause(&e) else {
+                return Err(e);
+            };
+            if super::note_fallback(&addr.to_string(), cause) {
+                warn!(addr = %addr, cause, error = %e, "auto transport: falling back to TCP (logged once per peer and cause)");
+            } else {
+                debug!(addr = %addr, cause, "auto transport: falling back to TCP");
+            }
+            match TcpStream::connect(target).await {
+                Ok(s) => Ok(Stream::Tcp(s)),
+                // Name both attempts; the kind is TCP's.
+                Err(tcp) => Err(io::Error::new(
+                    tcp.kind(),
+                    format!("{addr}: RDMA failed ({e}), then TCP failed: {tcp}"),
+                )),
+            }
         }
-        Err(e) => Err(e),
     }
 }
 

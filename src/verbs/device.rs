@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 
 /// The wire format a GID is used with (`ibv_gid_type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum GidType {
     /// Native InfiniBand: the GID is subnet prefix + port GUID; no IP address.
     InfiniBand,
@@ -39,6 +40,7 @@ impl fmt::Display for GidType {
 
 /// Logical state of a port (`ibv_port_state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum PortState {
     /// The link is down.
     Down,
@@ -69,6 +71,7 @@ impl fmt::Display for PortState {
 
 /// Link layer of a port (`ibv_port_attr::link_layer`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum LinkLayer {
     /// InfiniBand.
     InfiniBand,
@@ -90,6 +93,7 @@ impl fmt::Display for LinkLayer {
 
 /// One entry of a port's GID table.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Gid {
     /// Index in the port's GID table (what `ib_write_bw -x N` takes).
     pub index: u32,
@@ -106,6 +110,7 @@ pub struct Gid {
 
 /// One physical port of a device.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Port {
     /// Port number, starting at 1.
     pub port_num: u8,
@@ -125,6 +130,7 @@ pub struct Port {
 
 /// An RDMA device (HCA/RNIC) with its ports.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Device {
     /// Device name, for example `mlx5_0` or `rxe0`.
     pub name: String,
@@ -155,6 +161,7 @@ impl Device {
 /// The device, port and GID that serve one local IP address: what a queue
 /// pair needs to be created and addressed.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceAddress {
     /// Device name, for example `rxe0`.
     pub device: String,
