@@ -16,6 +16,10 @@ use clap::{Parser, Subcommand};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rdma::{RdmaListener, RdmaStream};
 
+#[path = "shared/pattern.rs"]
+#[allow(dead_code)]
+mod shared;
+
 #[derive(Parser)]
 #[command(about = "Echo server and client over RDMA streams")]
 struct Args {
@@ -47,12 +51,7 @@ enum Cmd {
 /// with no period shorter than 2^64 bytes.
 fn pattern(c: usize, i: u64) -> u8 {
     let seed = c as u64;
-    let mut z = (i / 8) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> ((i % 8) * 8)) as u8
+    shared::pattern_byte(seed, i)
 }
 
 async fn serve(mut s: RdmaStream) -> std::io::Result<u64> {

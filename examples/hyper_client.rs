@@ -23,6 +23,10 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio_rdma::RdmaStream;
 
+#[path = "shared/pattern.rs"]
+#[allow(dead_code)]
+mod shared;
+
 /// Command line.
 #[derive(Parser)]
 #[command(about = "HTTP client (hyper) over one RDMA stream")]
@@ -48,12 +52,7 @@ struct Args {
 /// delivered to the wrong request is caught.
 fn pattern(req: usize, i: usize) -> u8 {
     let (seed, i) = (req as u64, i as u64);
-    let mut z = (i / 8) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> ((i % 8) * 8)) as u8
+    shared::pattern_byte(seed, i)
 }
 
 /// The body of request `req`.

@@ -32,7 +32,9 @@ pub enum Error {
 
     /// libibverbs loaded but reports no RDMA device on this host.
     /// Maps to [`io::ErrorKind::NotFound`].
-    #[error("no RDMA device found on this host")]
+    #[error(
+        "no RDMA device found on this host (`rdma link` or `ibv_devices` lists them; Soft-RoCE: `rdma link add rxe0 type rxe netdev IFACE`)"
+    )]
     NoDevice,
 
     /// RDMA devices exist, but none of them has a port with a GID that maps

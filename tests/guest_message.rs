@@ -13,6 +13,13 @@ use tokio_rdma::message::MessageStats;
 use tokio_rdma::pool::{ExhaustedPolicy, MemoryPool, PoolConfig};
 use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, PoolBytes};
 
+mod common;
+use common::{example, signal};
+
+#[path = "../examples/shared/pattern.rs"]
+#[allow(dead_code)]
+mod shared;
+
 const IP: &str = "10.11.0.1";
 const MIB: usize = 1024 * 1024;
 
@@ -24,12 +31,7 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 }
 
 fn pattern_byte(seed: u64, i: u64) -> u8 {
-    let mut z = (i / 8) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> ((i % 8) * 8)) as u8
+    shared::pattern_byte(seed, i)
 }
 
 fn crc(data: &[u8]) -> u32 {
@@ -427,23 +429,6 @@ fn assert_wrong_kind(err: &io::Error) {
     );
 }
 
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        bin.exists(),
-        "{} must be built (cargo test builds examples)",
-        bin.display()
-    );
-    bin
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sender_killed_mid_rendezvous_is_an_error_and_leaks_nothing() {
     let pool = rxe_pool(256 * MIB, ExhaustedPolicy::Wait);
@@ -580,16 +565,6 @@ async fn without_inline_data_payloads_and_rts_headers_go_by_sge() {
     assert_eq!(sent.inline_sent, 0);
     assert_eq!(sent.eager_sent, 100);
     assert_eq!(sent.rendezvous_sent, 200);
-}
-
-/// Sends `sig` (`STOP`, `CONT`) to the child with `kill(1)`.
-fn signal(child: &tokio::process::Child, sig: &str) {
-    let pid = child.id().expect("the child is running").to_string();
-    let st = std::process::Command::new("kill")
-        .args([&format!("-{sig}"), &pid])
-        .status()
-        .unwrap();
-    assert!(st.success(), "kill -{sig} {pid}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,17 +13,19 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rdma::error::RejectReason;
 use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
 
+mod common;
+use common::{example, signal};
+
+#[path = "../examples/shared/pattern.rs"]
+#[allow(dead_code)]
+mod shared;
+
 const IP: &str = "10.11.0.1";
 
 /// A splitmix64 hash of (seed, i / 8), so the pattern has no period shorter
 /// than 2^64 bytes: bytes from a stale lap of a ring never match.
 fn pattern(seed: u64, i: u64) -> u8 {
-    let mut z = (i / 8) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    (z >> ((i % 8) * 8)) as u8
+    shared::pattern_byte(seed, i)
 }
 
 async fn bind(cfg: &RdmaConfig) -> RdmaListener {
@@ -332,19 +334,7 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_process_is_an_error_not_eof() {
-    let exe = std::env::current_exe().unwrap();
-    let echo_bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("echo");
-    assert!(
-        echo_bin.exists(),
-        "{} must be built (cargo test builds examples)",
-        echo_bin.display()
-    );
+    let echo_bin = example("echo");
     let addr: SocketAddr = format!("{IP}:7633").parse().unwrap();
     let mut child = tokio::process::Command::new(&echo_bin)
         .args(["server", &addr.to_string()])
@@ -553,30 +543,6 @@ async fn loopback_bind_is_refused_with_a_typed_error() {
 }
 
 // ---- A peer process that stops or dies (SIGSTOP / SIGKILL) --------------
-
-/// The path of an example binary (`cargo test` builds them beside the tests).
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(bin.exists(), "{} must be built", bin.display());
-    bin
-}
-
-/// Sends `sig` (`STOP`, `CONT`) to the child with `kill(1)`.
-fn signal(child: &tokio::process::Child, sig: &str) {
-    let pid = child.id().expect("the child is running").to_string();
-    let st = std::process::Command::new("kill")
-        .args([&format!("-{sig}"), &pid])
-        .status()
-        .unwrap();
-    assert!(st.success(), "kill -{sig} {pid}");
-}
 
 /// Starts `examples/echo server` on `port` and connects to it.
 async fn echo_child(port: u16) -> (tokio::process::Child, RdmaStream) {

@@ -20,7 +20,11 @@ fn no_rdma_device_is_a_typed_error() {
     }
     let err = verbs::select_device(IpAddr::V4(Ipv4Addr::new(10, 11, 0, 1))).unwrap_err();
     assert!(matches!(err, Error::NoDevice), "{err:?}");
-    assert_eq!(err.to_string(), "no RDMA device found on this host");
+    assert_eq!(
+        err.to_string(),
+        "no RDMA device found on this host (`rdma link` or `ibv_devices` lists them; \
+         Soft-RoCE: `rdma link add rxe0 type rxe netdev IFACE`)"
+    );
     let io: io::Error = err.into();
     assert_eq!(io.kind(), io::ErrorKind::NotFound);
 }

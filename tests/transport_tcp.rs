@@ -156,6 +156,29 @@ async fn auto_reports_the_tcp_error_after_fallback() {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    // The message names both attempts.
+    let msg = err.to_string();
+    assert!(msg.contains("RDMA failed"), "{msg}");
+    assert!(msg.contains("then TCP failed"), "{msg}");
+    assert!(msg.contains(&format!("auto://127.0.0.1:{port}")), "{msg}");
+}
+
+/// On a host without RDMA every `auto://` connect falls back to TCP, and
+/// each one is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_fallbacks_are_counted() {
+    let listener = Listener::bind("tcp://127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let before = tokio_rdma::transport::fallback_count();
+    for _ in 0..3 {
+        let s = Stream::connect(format!("auto://127.0.0.1:{port}"))
+            .await
+            .unwrap();
+        assert_eq!(s.transport(), Transport::Tcp);
+        let (_accepted, _) = listener.accept().await.unwrap();
+    }
+    // Other tests of this binary may fall back at the same time.
+    assert!(tokio_rdma::transport::fallback_count() >= before + 3);
 }
 
 /// `accept` is cancel-safe: dropping pending accepts in `select!` loses no

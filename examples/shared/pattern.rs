@@ -1,4 +1,4 @@
-//! What `bulk_transfer` and `message_pingpong` share: size arguments and the
+//! What the examples and the guest tests share: size arguments and the
 //! deterministic payload pattern both sides of a transfer can regenerate.
 
 /// Parses a size argument: `4096`, `64KiB`, `1MiB`, `1GiB`, `1.5 MB`
@@ -16,6 +16,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 pub fn word(j: u64) -> u64 {
     let x = j.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     x ^ (x >> 31)
+}
+
+/// Byte `i` of stream `seed` (a connection, a request): byte `i % 8` of
+/// word `(i / 8) ^ (seed * K)`. Words are a multiplicative hash, so the
+/// pattern has no period shorter than 2^64 bytes: bytes from a stale lap of
+/// a ring never match.
+#[allow(dead_code)] // used by echo, hyper_client and the guest tests
+pub fn pattern_byte(seed: u64, i: u64) -> u8 {
+    (word((i / 8) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> (8 * (i % 8))) as u8
 }
 
 /// Fills `buf` with the pattern bytes starting at stream offset `off`.
