@@ -590,9 +590,13 @@ async fn killed_peer_resolves_every_waiting_future_with_an_error() {
     }
     let ep = ep.expect("bulk_transfer server came up");
     signal(&child, "STOP");
-    // 64 send+flush futures (7 of 8 eager 4 KiB, 1 of 8 an 8 MiB
-    // rendezvous the stopped peer never READs) and 4 recv futures, each on
-    // its own clone.
+    // First an 8 MiB rendezvous the stopped peer never READs, so that no
+    // flush can complete; then 64 send+flush futures (7 of 8 eager 4 KiB,
+    // 1 of 8 another 8 MiB rendezvous) and 4 recv futures, each on its own
+    // clone.
+    let mut first = pool.alloc_any(8 * MIB).await.unwrap();
+    first.set_len(8 * MIB);
+    ep.send(first).await.unwrap();
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..64 {
         let ep = ep.clone();
@@ -609,10 +613,9 @@ async fn killed_peer_resolves_every_waiting_future_with_an_error() {
         tasks.spawn(async move { ep.recv().await.map(|_| ()) });
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(
-        tasks.try_join_next().is_none(),
-        "every future waits while the peer is stopped"
-    );
+    if let Some(early) = tasks.try_join_next() {
+        panic!("a future finished while the peer is stopped: {early:?}");
+    }
     assert_eq!(tasks.len(), 68);
     child.kill().await.unwrap();
     let mut errors = 0;
