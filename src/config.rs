@@ -32,6 +32,9 @@ pub struct RdmaConfig {
     pub(crate) device: Option<String>,
     pub(crate) backlog: i32,
     pub(crate) linger: Duration,
+    pub(crate) keepalive: Option<Duration>,
+    pub(crate) ack_timeout: u8,
+    pub(crate) retry_count: u8,
 }
 
 impl Default for RdmaConfig {
@@ -51,6 +54,9 @@ impl Default for RdmaConfig {
             device: None,
             backlog: 128,
             linger: Duration::from_secs(60),
+            keepalive: Some(Duration::from_secs(30)),
+            ack_timeout: 14,
+            retry_count: 6,
         }
     }
 }
@@ -68,6 +74,27 @@ impl RdmaConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] naming the first setter out of range.
     pub fn validate(&self) -> Result<()> {
+        if !(1..=31).contains(&self.ack_timeout) {
+            return Err(Error::InvalidConfig {
+                field: "ack_timeout",
+                value: self.ack_timeout.into(),
+                allowed: "1..=31 (4.096 us x 2^n)",
+            });
+        }
+        if self.retry_count > 7 {
+            return Err(Error::InvalidConfig {
+                field: "retry_count",
+                value: self.retry_count.into(),
+                allowed: "0..=7",
+            });
+        }
+        if self.keepalive.is_some_and(|d| d.is_zero()) {
+            return Err(Error::InvalidConfig {
+                field: "keepalive",
+                value: 0,
+                allowed: "a non-zero idle time, or None",
+            });
+        }
         if self.inline_threshold > MAX_INLINE_THRESHOLD {
             return Err(Error::InvalidConfig {
                 field: "inline_threshold",
@@ -125,7 +152,8 @@ impl RdmaConfig {
     /// Sizes of a byte stream's QP and registered buffers with this config.
     pub(crate) fn stream_sizes(&self) -> RcSizes {
         RcSizes {
-            send_depth: u32::from(self.send_queue_depth),
+            // One slot beyond the core's WRs: the keepalive probe.
+            send_depth: u32::from(self.send_queue_depth) + 1,
             recv_depth: u32::from(self.recv_queue_depth),
             max_inline: self.inline_threshold,
             send_buf: self.send_buffer_size as usize,
@@ -238,6 +266,51 @@ impl RdmaConfig {
         self
     }
 
+    /// Idle time before the connection probes its peer (default 30 s;
+    /// `None` turns keepalive off), like TCP's `SO_KEEPALIVE` with
+    /// `TCP_KEEPIDLE`. A probe is a zero-length RDMA WRITE (it carries no
+    /// data, consumes no receive WR and no application credit; IBTA C9-88:
+    /// a zero-length operation checks no key). A peer host that is gone
+    /// cannot acknowledge it: after the RC transport's retries (see
+    /// [`ack_timeout`](Self::ack_timeout)) the connection fails and every
+    /// waiter gets `ConnectionReset` (`Error::WorkCompletion` with
+    /// RETRY_EXC_ERR, 12), never EOF, never a hang. A dead peer is so
+    /// detected within `keepalive + 4.096 us x 2^ack_timeout x
+    /// (retry_count + 1)` of the last traffic (defaults: 30 s + 0.47 s).
+    pub fn keepalive(mut self, idle: Option<Duration>) -> Self {
+        self.keepalive = idle;
+        self
+    }
+
+    /// The RC transport's ACK timeout exponent (default 14, as perftest
+    /// sets it; 1..=31): a packet not acknowledged within
+    /// 4.096 us x 2^ack_timeout (14: 67 ms) is retransmitted. rdma_cm's
+    /// own default is larger (about a second per retry on rxe), which makes
+    /// each lost packet cost that much on a lossy wire.
+    pub fn ack_timeout(mut self, exponent: u8) -> Self {
+        self.ack_timeout = exponent;
+        self
+    }
+
+    /// Retransmissions of an unacknowledged packet before the connection
+    /// fails with RETRY_EXC_ERR (default 6; 0..=7). With the default
+    /// timeout a peer that stopped answering is detected after
+    /// 7 x 67 ms = 0.47 s of unacknowledged traffic. Not 7: rxe (Soft-RoCE)
+    /// treats 7 as "retry for ever" (rxe_comp.c, the RNR-retry meaning), so
+    /// a dead peer would never be detected there.
+    pub fn retry_count(mut self, retries: u8) -> Self {
+        self.retry_count = retries;
+        self
+    }
+
+    /// The detection bound the retry settings give:
+    /// 4.096 us x 2^ack_timeout x (retry_count + 1) (IBTA vol. 1, 9.7.6.1.3
+    /// and 12.7.34).
+    pub fn retry_bound(&self) -> Duration {
+        let per_try_ns = 4096u64 << self.ack_timeout.min(31);
+        Duration::from_nanos(per_try_ns.saturating_mul(u64::from(self.retry_count) + 1))
+    }
+
     /// Listen backlog passed to `rdma_listen` (default 128).
     pub fn backlog(mut self, backlog: i32) -> Self {
         self.backlog = backlog;
@@ -307,5 +380,37 @@ mod tests {
             .unwrap_err()
             .into();
         assert_eq!(io.kind(), std::io::ErrorKind::InvalidInput);
+        assert_eq!(
+            field_of(RdmaConfig::new().ack_timeout(0)),
+            ("ack_timeout", 0)
+        );
+        assert_eq!(
+            field_of(RdmaConfig::new().ack_timeout(32)),
+            ("ack_timeout", 32)
+        );
+        assert_eq!(
+            field_of(RdmaConfig::new().retry_count(8)),
+            ("retry_count", 8)
+        );
+        assert_eq!(
+            field_of(RdmaConfig::new().keepalive(Some(Duration::ZERO))),
+            ("keepalive", 0)
+        );
+    }
+
+    #[test]
+    fn retry_bound_follows_the_ibta_formula() {
+        // 4.096 us x 2^14 x 7 = 469.762048 ms.
+        assert_eq!(
+            RdmaConfig::new().retry_bound(),
+            Duration::from_nanos(469_762_048)
+        );
+        assert_eq!(
+            RdmaConfig::new()
+                .ack_timeout(1)
+                .retry_count(0)
+                .retry_bound(),
+            Duration::from_nanos(8192)
+        );
     }
 }

@@ -236,6 +236,19 @@ pub enum Error {
         source: PoolError,
     },
 
+    /// The device has no memory windows (`max_mw` 0), which a message
+    /// endpoint needs to expose a rendezvous message to exactly one peer for
+    /// exactly as long as it reads it (a whole-region key would open every
+    /// buffer of the shared pool to every peer). Raised at connect and
+    /// accept. Maps to [`io::ErrorKind::Unsupported`].
+    #[error(
+        "RDMA device {device} has no memory windows (max_mw 0); message endpoints need them to isolate peers"
+    )]
+    NoMemoryWindows {
+        /// The device name.
+        device: String,
+    },
+
     /// A broken internal invariant (a bug in tokio-rdma, never the peer's
     /// doing). Maps to [`io::ErrorKind::Other`].
     #[error("internal error: {0}")]
@@ -330,6 +343,7 @@ impl Error {
                 _ => io::ErrorKind::ConnectionAborted,
             },
             Error::IncomingMessageMemory { .. } => io::ErrorKind::OutOfMemory,
+            Error::NoMemoryWindows { .. } => io::ErrorKind::Unsupported,
             Error::PeerDisconnected => io::ErrorKind::ConnectionReset,
             Error::DeviceRemoved | Error::LocalAbort => io::ErrorKind::ConnectionAborted,
             Error::WriteAfterShutdown | Error::PeerClosed => io::ErrorKind::BrokenPipe,
@@ -414,6 +428,9 @@ impl Clone for Error {
             Error::IncomingMessageMemory { len, source } => Error::IncomingMessageMemory {
                 len: *len,
                 source: source.clone(),
+            },
+            Error::NoMemoryWindows { device } => Error::NoMemoryWindows {
+                device: device.clone(),
             },
             Error::Internal(s) => Error::Internal(s.clone()),
         }

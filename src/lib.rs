@@ -48,7 +48,7 @@ pub use config::RdmaConfig;
 pub use error::{Error, Result};
 pub use message::{MessageConfig, MessageEndpoint, MessageListener, PostedSge};
 pub use pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes};
-pub use stats::ConnectionStats;
+pub use stats::{ConnectionStats, RemoteAccess};
 pub use stream::{
     OwnedReadHalf, OwnedWriteHalf, RdmaListener, RdmaStream, ReadHalf, ReuniteError, WriteHalf,
 };
@@ -78,5 +78,28 @@ pub mod __testing {
         rkey: u32,
     ) -> std::io::Result<()> {
         endpoint.forge_rts(len, addr, rkey)
+    }
+
+    /// The last memory window `endpoint` bound for a rendezvous it sent:
+    /// (address, length, key).
+    pub fn last_window(endpoint: &crate::MessageEndpoint) -> Option<(u64, u64, u32)> {
+        endpoint.last_window()
+    }
+
+    /// The address of `stream`'s receive ring and the key it announced to
+    /// its peer.
+    pub fn ring_key(stream: &crate::RdmaStream) -> (u64, u32) {
+        stream.ring_key()
+    }
+
+    /// Makes `stream` post an RDMA WRITE WITH IMM of `len` bytes to
+    /// `addr`/`rkey` at its peer (memory it was never granted).
+    pub fn forge_ring_write(
+        stream: &crate::RdmaStream,
+        addr: u64,
+        rkey: u32,
+        len: u32,
+    ) -> std::io::Result<()> {
+        stream.forge_ring_write(addr, rkey, len)
     }
 }

@@ -1,5 +1,25 @@
 //! Per-connection counters.
 
+/// How a connection's registered memory is opened to its peer (see the
+/// README's trust model). Never a key that another connection's QP could
+/// use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RemoteAccess {
+    /// Type-2 memory windows bound on this connection's QP: the stream's
+    /// receive ring (RDMA WRITE, for the connection's life), a message
+    /// endpoint's rendezvous sources (RDMA READ of exactly one message,
+    /// until its DONE). The memory regions themselves have no remote
+    /// access.
+    #[default]
+    MemoryWindow,
+    /// A device without memory windows: the stream's QP and its buffers
+    /// live on a protection domain of their own, so the ring's key is
+    /// useless from any other QP. Costs one PD per connection. (Message
+    /// endpoints refuse such devices: `Error::NoMemoryWindows`.)
+    OwnProtectionDomain,
+}
+
 /// A snapshot of one connection's counters, from
 /// [`RdmaStream::stats`](crate::RdmaStream::stats). All counts start at zero
 /// when the connection is established.
@@ -22,4 +42,9 @@ pub struct ConnectionStats {
     pub inline_sends: u64,
     /// Errors that ended the connection (at most 1 per connection).
     pub errors: u64,
+    /// How the receive ring is opened to the peer.
+    pub remote_access: RemoteAccess,
+    /// Registered memory this connection holds, bytes (receive ring plus
+    /// send buffer).
+    pub registered_bytes: u64,
 }

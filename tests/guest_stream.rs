@@ -310,7 +310,8 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
             RejectReason::UnsupportedVersion,
         ),
         (
-            hello_bytes(0x544B_5244, 1)[..10].to_vec(),
+            // rdma_cm pads it to 56 zero bytes: a v2 hello whose ring is 0.
+            hello_bytes(0x544B_5244, 2)[..10].to_vec(),
             RejectReason::Malformed,
         ),
     ];
@@ -322,7 +323,7 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
                 ..
             }) => {
                 assert_eq!(reason, want);
-                assert_eq!(server_version, 1);
+                assert_eq!(server_version, 2, "the protocol version this build speaks");
             }
             other => panic!("expected a reject with {want:?}, got {other:?}"),
         }
@@ -684,4 +685,70 @@ async fn killed_peer_wakes_a_blocked_reader_and_a_blocked_writer() {
         "{w}"
     );
     assert!(Error::from_io(&w).is_some(), "typed: {w:?}");
+}
+
+// ---- Isolation between connections ---------------------------------------
+
+/// A key learnt (or guessed) for one connection's receive ring is useless
+/// on any other connection: the ring is opened through a memory window
+/// bound to its own QP. A forged RDMA WRITE with another connection's ring
+/// key fails with a remote access error, and that connection's data is
+/// intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ring_key_is_useless_from_another_connection() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let (a, s1) = tokio::join!(RdmaStream::connect(addr), l.accept());
+    let (mut a, (_s1, _)) = (a.unwrap(), s1.unwrap());
+    let (b, s2) = tokio::join!(RdmaStream::connect(addr), l.accept());
+    let (b, (s2, _)) = (b.unwrap(), s2.unwrap());
+    assert_eq!(
+        s2.stats().remote_access,
+        tokio_rdma::RemoteAccess::MemoryWindow
+    );
+    let (ring_addr, ring_key) = tokio_rdma::__testing::ring_key(&s2);
+    // `a` writes through its own connection (to s1) with s2's ring key.
+    tokio_rdma::__testing::forge_ring_write(&a, ring_addr, ring_key, 64).unwrap();
+    let mut one = [0u8; 1];
+    let err = tokio::time::timeout(Duration::from_secs(30), a.read(&mut one))
+        .await
+        .expect("the forger's connection fails")
+        .expect_err("a remote access error, not data or EOF");
+    assert!(
+        matches!(
+            Error::from_io(&err),
+            Some(Error::WorkCompletion { status: 10, .. })
+        ),
+        "REM_ACCESS_ERR expected: {err:?}"
+    );
+    // s2's connection is untouched: an echo over it is byte for byte.
+    let server = tokio::spawn(echo(s2));
+    assert_eq!(
+        echo_roundtrip(b, 21, 256 * 1024, 4096).await.unwrap(),
+        256 * 1024
+    );
+    assert_eq!(server.await.unwrap().unwrap(), 256 * 1024);
+}
+
+/// An idle connection probes its peer (keepalive 1 s here): the probes
+/// (zero-length RDMA WRITEs) are acknowledged and change nothing, so after
+/// several idle periods the stream carries data as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_probes_keep_an_idle_stream_intact() {
+    let cfg = RdmaConfig::new().keepalive(Some(Duration::from_secs(1)));
+    let l = bind(&cfg).await;
+    let addr = l.local_addr().unwrap();
+    let (c, s) = tokio::join!(RdmaStream::connect_with(addr, &cfg), l.accept());
+    let (c, (s, _)) = (c.unwrap(), s.unwrap());
+    let before = c.stats();
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let after = c.stats();
+    assert_eq!(after.errors, 0);
+    assert_eq!(after.bytes_sent, before.bytes_sent, "probes carry no data");
+    let server = tokio::spawn(echo(s));
+    assert_eq!(
+        echo_roundtrip(c, 31, 64 * 1024, 4096).await.unwrap(),
+        64 * 1024
+    );
+    assert_eq!(server.await.unwrap().unwrap(), 64 * 1024);
 }

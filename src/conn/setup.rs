@@ -45,6 +45,12 @@ pub(crate) trait Setup: Clone + Send + Sync + 'static {
     ) -> impl std::future::Future<Output = Result<Self::Qp>> + Send;
     /// The QP is in INIT: post receives and return this side's `Hello`.
     fn on_init(&self, qp: &mut Self::Qp) -> Result<Hello>;
+    /// The QP is in RTS and the peer cannot send yet (before `rdma_accept`
+    /// or the RTU): bind what the `Hello` announced (a stream binds its
+    /// ring's memory window here).
+    fn on_rts(&self, _qp: &mut Self::Qp) -> impl std::future::Future<Output = Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
     /// The connection is established: start its runtime.
     fn finish(&self, est: Established<Self::Qp>) -> Result<Self::Out>;
 }
@@ -194,7 +200,8 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> 
     let rc = qp.as_mut();
     rc.modify_to_init(&id)?;
     rc.modify_to_rtr(&id)?;
-    rc.modify_to_rts(&id)?;
+    rc.modify_to_rts(&id, cfg.ack_timeout, cfg.retry_count)?;
+    setup.on_rts(&mut qp).await?;
     id.establish()?;
     setup.finish(Established {
         id,
@@ -258,7 +265,12 @@ pub(crate) async fn accept_one<S: Setup>(
     qp.as_mut().modify_to_init(&id)?;
     let hello = setup.on_init(&mut qp)?;
     qp.as_mut().modify_to_rtr(&id)?;
-    qp.as_mut().modify_to_rts(&id)?;
+    qp.as_mut()
+        .modify_to_rts(&id, cfg.ack_timeout, cfg.retry_count)?;
+    if let Err(e) = setup.on_rts(&mut qp).await {
+        let _ = id.reject(&encode_reject(RejectReason::ServerResources));
+        return Err(e);
+    }
     id.accept(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
     let ev = tokio::time::timeout(cfg.connect_timeout, channel.next())
         .await

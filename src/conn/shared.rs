@@ -28,6 +28,10 @@ use crate::verbs::rc::RcQueuePair;
 /// notification (a return can race with the waiter's registration).
 const MEMORY_RETRY: Duration = Duration::from_millis(5);
 
+/// How long a failed connection waits for its ABORT to reach the peer
+/// before it disconnects anyway.
+pub(crate) const ABORT_GRACE: Duration = Duration::from_secs(1);
+
 /// The wakers of every task waiting for one kind of event. Unlike a single
 /// `Option<Waker>`, a second task's registration never evicts the first's:
 /// both are woken. A task that polls again is registered once
@@ -82,6 +86,29 @@ pub(crate) trait Driven: Send + 'static {
     /// The driver has disconnected: nothing more is sent or received; wake
     /// every waiter.
     fn on_closed(&mut self);
+    /// Whether the connection is usable (no error, peer not gone, not
+    /// closing): only then does the driver probe it.
+    fn alive(&self) -> bool;
+
+    /// Whether the connection failed: `None` while healthy; `Some(true)`
+    /// once an error is recorded and any ABORT owed to the peer is out;
+    /// `Some(false)` while that ABORT is still being delivered. The driver
+    /// then disconnects (at once, or after [`ABORT_GRACE`]), handles or
+    /// not, so the peer learns of the failure (rdma_cm DISCONNECTED, TCP's
+    /// RST) instead of retrying into a QP in the error state.
+    fn failure(&self) -> Option<bool>;
+
+    /// The connection was idle for the keepalive time: probe the peer (a
+    /// zero-length RDMA WRITE; a peer that is gone fails it after the retry
+    /// bound, which fails the connection).
+    fn probe(&mut self) {
+        if self.alive() {
+            if let Err(e) = self.qp_mut().post_probe() {
+                self.fail(e);
+            }
+        }
+    }
+
     /// The pool whose returned memory progress is waiting for, if any.
     fn waiting_for_memory(&self) -> Option<MemoryPool> {
         None
@@ -160,6 +187,8 @@ pub(crate) struct Started<D> {
     pub fallback_addr: SocketAddr,
     /// Bound on delivering after the last handle dropped.
     pub linger: Duration,
+    /// Idle time before a keepalive probe (`None`: no keepalive).
+    pub keepalive: Option<Duration>,
     /// `"rdma_stream"` or `"rdma_msg"`, the tracing span's name part.
     pub kind: &'static str,
 }
@@ -188,19 +217,26 @@ pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
         peer = %peer_addr,
         qp = qp_num
     );
-    tokio::spawn(drive(Arc::clone(&shared), s.id, s.linger).instrument(span));
+    tokio::spawn(drive(Arc::clone(&shared), s.id, s.linger, s.keepalive).instrument(span));
     Handle(shared)
 }
 
 /// The driver: progress on every completion event, rdma_cm events, the last
 /// handle's drop, returned pool memory and the linger bound; then
 /// disconnect and free.
-async fn drive<D: Driven>(shared: Arc<Shared<D>>, id: CmId, linger: Duration) {
+async fn drive<D: Driven>(
+    shared: Arc<Shared<D>>,
+    id: CmId,
+    linger: Duration,
+    keepalive: Option<Duration>,
+) {
     debug!("connection established");
     let channel = Arc::clone(id.channel());
     let cq_events = shared.lock().qp().cq_events();
     // Set once every handle is gone: the bound on delivering what is left.
     let mut linger_deadline: Option<tokio::time::Instant> = None;
+    // Set once the connection failed with an ABORT still on its way.
+    let mut abort_deadline: Option<tokio::time::Instant> = None;
     loop {
         let (done, memory) = {
             let mut st = shared.lock();
@@ -211,7 +247,19 @@ async fn drive<D: Driven>(shared: Arc<Shared<D>>, id: CmId, linger: Duration) {
                 st.on_last_handle();
                 st.progress();
             }
-            (orphaned && st.finished(), st.waiting_for_memory())
+            let failed = match st.failure() {
+                Some(true) => true,
+                Some(false) => {
+                    let d = *abort_deadline
+                        .get_or_insert_with(|| tokio::time::Instant::now() + ABORT_GRACE);
+                    tokio::time::Instant::now() >= d
+                }
+                None => false,
+            };
+            (
+                (orphaned && st.finished()) || failed,
+                st.waiting_for_memory(),
+            )
         };
         if done {
             break;
@@ -252,6 +300,22 @@ async fn drive<D: Driven>(shared: Arc<Shared<D>>, id: CmId, linger: Duration) {
                         let _ = tokio::time::timeout(MEMORY_RETRY, pool.memory_returned()).await;
                     }
                     None => std::future::pending::<()>().await,
+                }
+            } => {}
+            // Idle for the keepalive time (any event above restarts it).
+            _ = async {
+                match keepalive {
+                    Some(idle) => tokio::time::sleep(idle).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                trace!("idle: keepalive probe");
+                shared.lock().probe();
+            }
+            _ = async {
+                match abort_deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
                 }
             } => {}
             _ = async {

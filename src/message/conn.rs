@@ -16,6 +16,7 @@ use tracing::{debug, trace, warn};
 
 use super::MessageConfig;
 use super::qp::{MessageQp, PostedSge};
+use super::quota::Quota;
 use crate::conn::{Driven, Established, Handle, Started, WakerList};
 use crate::error::{Error, Result};
 use crate::pool::{ExhaustedPolicy, MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolError};
@@ -23,7 +24,7 @@ use crate::proto::message::{
     ABORT_CODE_APPLICATION, Delivery, MessageCore, MessageError, MessageStats, MsgEvent,
     MsgTransmit, OutboundMessage, RecvDisposition, SendError, abort_code_reason,
 };
-use crate::verbs::rc::{Completion, RECV_WR_FLAG, RcQueuePair};
+use crate::verbs::rc::{Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RcQueuePair};
 
 const WC_SUCCESS: u32 = 0;
 const WC_WR_FLUSH_ERR: u32 = 5;
@@ -49,6 +50,10 @@ pub(crate) struct MsgState {
     unposted: u16,
     /// Destination lengths requested by the core, oldest first.
     allocs: VecDeque<u64>,
+    /// Pool bytes held for this endpoint's incoming messages (rendezvous
+    /// destinations being read, or complete and not yet taken) against its
+    /// quota.
+    quota: Quota,
     send_queue_limit: usize,
     /// The bound on waiting for the peer (`RdmaConfig::linger`).
     linger: std::time::Duration,
@@ -113,6 +118,25 @@ impl MsgState {
             "completion"
         );
         let is_recv = wc.wr_id & RECV_WR_FLAG != 0;
+        if !is_recv && wc.wr_id & MW_WR_FLAG != 0 {
+            // A keepalive probe, or a window bind or invalidation of the QP
+            // layer.
+            if self.qp.window_completed(wc.wr_id, wc.status) {
+                self.flushers.wake_all();
+            }
+            if wc.status != WC_SUCCESS && !(wc.status == WC_WR_FLUSH_ERR && self.dead()) {
+                let op = if wc.wr_id == PROBE_WR_ID {
+                    "keepalive probe (zero-length RDMA WRITE)"
+                } else {
+                    "memory window bind or invalidation"
+                };
+                self.lost(Error::WorkCompletion {
+                    op,
+                    status: wc.status,
+                });
+            }
+            return;
+        }
         if wc.status != WC_SUCCESS {
             let op = if is_recv {
                 "receive"
@@ -192,6 +216,7 @@ impl MsgState {
                 }
                 MsgEvent::Reclaim { token } => {
                     if !self.qp.release_send(token) && self.kept.remove(&token).is_none() {
+                        self.quota_release(token);
                         self.qp.release_dest(token);
                     }
                 }
@@ -237,6 +262,13 @@ impl MsgState {
     /// Allocates rendezvous destinations, in order.
     fn allocate(&mut self) {
         while let Some(&len) = self.allocs.front() {
+            // Per-connection quota on the shared pool: beyond it this
+            // peer's READs wait (its rendezvous stay outstanding, so its
+            // sends stall on max_rendezvous_in_flight) until the application
+            // takes messages; other connections are not affected.
+            if !self.quota.admit(len) {
+                break;
+            }
             let alloc = usize::try_from(len)
                 .map_err(|_| PoolError::TooLarge {
                     len: usize::MAX,
@@ -247,6 +279,7 @@ impl MsgState {
                 Ok(buf) => {
                     self.allocs.pop_front();
                     let t = self.token();
+                    self.quota.hold(t, buf.capacity() as u64);
                     self.qp.add_dest(t, buf);
                     if let Err(e) = self.core.destination_ready(t) {
                         self.fail(Error::Message(e));
@@ -310,6 +343,13 @@ impl MsgState {
         self.settle();
     }
 
+    /// Destination `token` left this endpoint's hands (taken by the
+    /// application or released): its bytes no longer count against the
+    /// quota.
+    fn quota_release(&mut self, token: u64) {
+        self.quota.release(token);
+    }
+
     /// The bound on waiting for the peer.
     pub(crate) fn linger(&self) -> std::time::Duration {
         self.linger
@@ -343,6 +383,14 @@ impl Driven for MsgState {
 
     fn on_last_handle(&mut self) {}
 
+    fn alive(&self) -> bool {
+        !self.dead()
+    }
+
+    fn failure(&self) -> Option<bool> {
+        self.error.as_ref().map(|_| self.core.all_sent())
+    }
+
     fn finished(&self) -> bool {
         self.error.is_some() || self.peer_closed || self.core.all_sent()
     }
@@ -351,8 +399,11 @@ impl Driven for MsgState {
     /// of its own half-sent; anything else is a reset (as TCP's close with
     /// unread data), an error for every waiter.
     fn on_disconnected(&mut self) {
-        let clean =
-            self.core.all_sent() && self.qp.sends_held() == 0 && self.core.incomplete_recv() == 0;
+        // Every message of ours is held until the peer took it (an eager
+        // SEND completed, a rendezvous DONE'd and its window invalidated),
+        // so no held message means none is lost; our own control WRs still
+        // in flight (a DONE just posted) do not matter.
+        let clean = self.qp.sends_held() == 0 && self.core.incomplete_recv() == 0;
         self.qp.as_mut().set_error();
         if clean {
             self.peer_closed = true;
@@ -418,6 +469,7 @@ impl MsgConn {
             let msg = match d {
                 Delivery::Eager { recv_buf_token, .. } => st.kept.remove(&recv_buf_token),
                 Delivery::Rendezvous { dest_token, len } => {
+                    st.quota_release(dest_token);
                     st.qp.take_dest(dest_token).map(|mut b| {
                         b.set_len(len as usize);
                         b
@@ -473,6 +525,11 @@ impl MsgConn {
         }
         st.senders.register(cx.waker());
         Poll::Pending
+    }
+
+    /// The largest message sent eagerly (without a memory window), bytes.
+    pub(crate) fn eager_max(&self) -> usize {
+        self.lock().core.params().eager_max as usize
     }
 
     /// Queues `msg`; posts at once unless `defer` (the `Sink` path, whose
@@ -547,7 +604,19 @@ impl MsgConn {
     }
 
     pub(crate) fn stats(&self) -> MessageStats {
-        self.lock().core.stats()
+        let st = self.lock();
+        let mut s = st.core.stats();
+        s.window_binds = st.qp.window_binds();
+        s.windows_held = st.qp.windows_held() as u64;
+        s.quota_bytes_held = st.quota.held();
+        s.quota_stalls = st.quota.stalls();
+        s
+    }
+
+    /// The last memory window this endpoint bound (test hook).
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn last_window(&self) -> Option<(u64, u64, u32)> {
+        self.lock().qp.last_window()
     }
 
     pub(crate) fn last_sge(&self) -> Option<PostedSge> {
@@ -580,6 +649,7 @@ pub(crate) fn start(
     cfg: &MessageConfig,
 ) -> Result<Handle<MsgState>> {
     let super::PreparedQp { qp, pool, .. } = est.qp;
+    let quota = cfg.quota_for(&pool);
     let next_token = u64::from(cfg.rdma.recv_queue_depth) + 1;
     let state = MsgState {
         core,
@@ -590,6 +660,7 @@ pub(crate) fn start(
         kept: HashMap::new(),
         unposted: 0,
         allocs: VecDeque::new(),
+        quota: Quota::new(quota),
         send_queue_limit: cfg.send_queue_limit,
         linger: cfg.rdma.linger,
         receivers: WakerList::default(),
@@ -608,6 +679,7 @@ pub(crate) fn start(
         device: est.device,
         fallback_addr: est.fallback_addr,
         linger: cfg.rdma.linger,
+        keepalive: cfg.rdma.keepalive,
         kind: "message",
     }))
 }

@@ -35,6 +35,7 @@
 mod conn;
 #[allow(unsafe_code)]
 mod qp;
+mod quota;
 
 use std::io;
 use std::net::SocketAddr;
@@ -72,6 +73,7 @@ pub struct MessageConfig {
     pub(crate) max_rendezvous_in_flight: u16,
     pub(crate) send_queue_limit: usize,
     pub(crate) pool: Option<MemoryPool>,
+    pub(crate) pool_quota: Option<u64>,
 }
 
 impl Default for MessageConfig {
@@ -84,6 +86,7 @@ impl Default for MessageConfig {
             max_rendezvous_in_flight: 8,
             send_queue_limit: 256,
             pool: None,
+            pool_quota: None,
         }
     }
 }
@@ -154,6 +157,30 @@ impl MessageConfig {
     pub fn pool(mut self, pool: MemoryPool) -> Self {
         self.pool = Some(pool);
         self
+    }
+
+    /// Most bytes of the shared pool one endpoint may hold for incoming
+    /// messages: rendezvous destinations being read plus received messages
+    /// the application has not taken (default: an eighth of the pool's
+    /// `max_registered_bytes`, 32 MiB for the default 256 MiB pool). At the
+    /// quota, this endpoint's further RDMA READs wait (back pressure on
+    /// that peer only: its rendezvous stay outstanding) until the
+    /// application takes messages; they do not fail and other endpoints on
+    /// the pool are not held up. A single message larger than the quota is
+    /// still admitted when the endpoint holds nothing. Eager receive
+    /// buffers are bounded separately (`recv_queue_depth * eager_buf_len`).
+    /// The idea comes from brpc's shared block pool, where one peer could
+    /// fill the pool for every connection (brpc issue 3431).
+    pub fn pool_quota(mut self, bytes: u64) -> Self {
+        self.pool_quota = Some(bytes);
+        self
+    }
+
+    /// The quota in bytes for an endpoint on `pool`.
+    pub(crate) fn quota_for(&self, pool: &MemoryPool) -> u64 {
+        self.pool_quota
+            .unwrap_or_else(|| pool.config().max_bytes() / 8)
+            .max(1)
     }
 
     fn params(
@@ -270,7 +297,12 @@ impl Setup for MessageSetup {
     fn sizes(&self) -> RcSizes {
         let r = &self.0.rdma;
         RcSizes {
-            send_depth: r.send_queue_depth.into(),
+            // Beyond the core's WRs: a window bind per rendezvous announced
+            // and an invalidation per rendezvous done, neither counted by
+            // the core (unsignaled binds retire with the next signaled WR).
+            send_depth: u32::from(r.send_queue_depth)
+                + 2 * u32::from(self.0.max_rendezvous_in_flight)
+                + 4,
             recv_depth: r.recv_queue_depth.into(),
             max_inline: r.inline_threshold,
             send_buf: MessageQp::scratch_len(r.send_queue_depth),
@@ -283,6 +315,11 @@ impl Setup for MessageSetup {
     }
 
     async fn prepare(&self, device: &Arc<OpenDevice>, qp: RcQueuePair) -> Result<PreparedQp> {
+        if !device.has_memory_windows() {
+            return Err(Error::NoMemoryWindows {
+                device: device.name.clone(),
+            });
+        }
         let pool = match &self.0.pool {
             Some(p) => {
                 if !p.is_on_device(device) {
@@ -326,14 +363,22 @@ impl Setup for MessageSetup {
             ring_rkey: 0,
             ring_len: self.0.eager_buf_len,
             recv_depth: self.0.rdma.recv_queue_depth,
+            max_message_len: self.0.max_message_len,
+            max_rendezvous_in_flight: self.0.max_rendezvous_in_flight,
         })
     }
 
     fn finish(&self, est: Established<PreparedQp>) -> Result<(Handle<MsgState>, MemoryPool)> {
         let max_inline = est.qp.qp.qp_ref().max_inline();
-        let params = self
+        let mut params = self
             .0
             .params(est.peer.ring_len, est.peer.recv_depth, max_inline);
+        // Limits that bind both sides: the smaller of the two, so neither
+        // side sends what the other refuses.
+        params.max_message_len = params.max_message_len.min(est.peer.max_message_len);
+        params.max_rendezvous_in_flight = params
+            .max_rendezvous_in_flight
+            .min(est.peer.max_rendezvous_in_flight);
         let core = MessageCore::new(params)?;
         let pool = est.qp.pool.clone();
         Ok((conn::start(est, core, &self.0)?, pool))
@@ -404,9 +449,26 @@ impl MessageEndpoint {
     /// `ConnectionReset` / `BrokenPipe` once the connection failed or the
     /// peer closed; `InvalidData` after a protocol violation.
     pub async fn send(&self, msg: impl Into<OutgoingMessage>) -> io::Result<()> {
-        let msg = msg.into();
+        let mut msg = msg.into();
+        if self.needs_copy(&msg) {
+            msg = self.copy_to_pool(&msg, self.pool.alloc_any(msg.len()).await?);
+        }
         std::future::poll_fn(|cx| self.conn.poll_send_ready(cx)).await?;
         self.conn.start_send(msg, false)
+    }
+
+    /// A rendezvous needs a memory window, which read-only memory (a
+    /// `register_static` region in `.rodata`) cannot take: such a message,
+    /// when too large to go eagerly, is copied into a pool buffer once.
+    fn needs_copy(&self, msg: &OutgoingMessage) -> bool {
+        !msg.can_bind_windows() && msg.len() > self.conn.eager_max()
+    }
+
+    fn copy_to_pool(&self, msg: &OutgoingMessage, mut buf: PoolBuf) -> OutgoingMessage {
+        let data = msg.as_slice();
+        buf.spare_mut()[..data.len()].copy_from_slice(data);
+        buf.set_len(data.len());
+        OutgoingMessage::from(buf)
     }
 
     /// Copies `data` into a pool buffer and sends it (for callers whose data
@@ -519,6 +581,11 @@ impl MessageEndpoint {
     }
 
     #[cfg(tokio_rdma_guest)]
+    pub(crate) fn last_window(&self) -> Option<(u64, u64, u32)> {
+        self.conn.last_window()
+    }
+
+    #[cfg(tokio_rdma_guest)]
     pub(crate) fn forge_rts(&self, len: u64, addr: u64, rkey: u32) -> io::Result<()> {
         self.conn.send_forged_rts(len, addr, rkey)
     }
@@ -549,7 +616,12 @@ impl<M: Into<OutgoingMessage>> Sink<M> for MessageEndpoint {
     /// Queues the message; `poll_flush` posts what was fed with one
     /// doorbell (so `send_all` and `feed` batch).
     fn start_send(self: Pin<&mut Self>, item: M) -> io::Result<()> {
-        self.conn.start_send(item.into(), true)
+        let mut msg = item.into();
+        if self.needs_copy(&msg) {
+            let buf = self.pool.try_alloc_any(msg.len())?;
+            msg = self.copy_to_pool(&msg, buf);
+        }
+        self.conn.start_send(msg, true)
     }
 
     /// Ready once every message fed so far is posted to the NIC (as a

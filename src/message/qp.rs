@@ -15,8 +15,11 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::error::{Error, Result};
 use crate::pool::{OutgoingMessage, PoolBuf};
-use crate::proto::message::{MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN};
-use crate::verbs::rc::{RECV_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr, Sge};
+use crate::proto::message::{MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN, RtsHeader};
+use crate::verbs::mw::{MemoryWindow, WindowAccess};
+use crate::verbs::rc::{
+    BindTarget, MW_WR_FLAG, RECV_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr, Sge,
+};
 
 /// Bytes of scratch per send-queue slot for an RTS header that is not
 /// posted inline.
@@ -36,7 +39,10 @@ pub struct PostedSge {
 }
 
 pub(crate) struct MessageQp {
-    // Dropped first: the QP is destroyed before the buffers below.
+    // Dropped first: windows are deallocated before the QP they are bound
+    // to and before the memory regions under them; then the QP is
+    // destroyed before the buffers below.
+    windows: Windows,
     qp: RcQueuePair,
     send_depth: u64,
     /// Posted receive buffers by token.
@@ -57,6 +63,37 @@ fn internal(msg: String) -> Error {
     Error::Internal(msg)
 }
 
+/// The memory windows of one QP: a rendezvous source is exposed to the peer
+/// through a type-2 window bound on this QP over exactly the message's
+/// bytes, read-only, from its RTS until the peer's DONE (or an abort), and
+/// invalidated (LOCAL_INV completed) before the message's memory is
+/// released. A window is then reused with a new key.
+#[derive(Default)]
+struct Windows {
+    /// Unbound windows, ready for the next rendezvous.
+    free: Vec<MemoryWindow>,
+    /// Bound windows by message token.
+    bound: HashMap<u64, MemoryWindow>,
+    /// Windows being invalidated, by the LOCAL_INV's wr_id, with their
+    /// message's token.
+    invalidating: HashMap<u64, (u64, MemoryWindow)>,
+    /// Tokens whose message is done and whose window awaits its LOCAL_INV.
+    to_invalidate: Vec<u64>,
+    /// Next wr_id (with [`MW_WR_FLAG`]) for a bind or an invalidation.
+    next_wr: u64,
+    /// Binds posted over the QP's life.
+    binds: u64,
+    /// The last window bound: (address, length, key).
+    last: Option<(u64, u64, u32)>,
+}
+
+impl Windows {
+    fn wr_id(&mut self) -> u64 {
+        self.next_wr += 1;
+        MW_WR_FLAG | self.next_wr
+    }
+}
+
 impl AsMut<RcQueuePair> for MessageQp {
     fn as_mut(&mut self) -> &mut RcQueuePair {
         &mut self.qp
@@ -68,6 +105,7 @@ impl MessageQp {
     /// scratch.
     pub(crate) fn new(qp: RcQueuePair, send_depth: u16) -> Self {
         MessageQp {
+            windows: Windows::default(),
             qp,
             send_depth: u64::from(send_depth.max(1)),
             recv: HashMap::new(),
@@ -154,14 +192,61 @@ impl MessageQp {
         self.sending.insert(token, msg);
     }
 
-    /// The NIC and the peer are done with message `token`: drop it.
+    /// The NIC and the peer are done with message `token` (or it was
+    /// aborted): drop it, at once for an eager message, once its window is
+    /// invalidated for a rendezvous (the LOCAL_INV goes out with the next
+    /// [`post`](Self::post)). Returns whether `token` was a message being
+    /// sent.
     pub(crate) fn release_send(&mut self, token: u64) -> bool {
-        self.sending.remove(&token).is_some()
+        if !self.sending.contains_key(&token) {
+            return false;
+        }
+        if self.windows.bound.contains_key(&token) {
+            self.windows.to_invalidate.push(token);
+        } else {
+            self.sending.remove(&token);
+        }
+        true
     }
 
-    /// Messages held for sending.
+    /// Messages held for sending (a rendezvous until its window is
+    /// invalidated).
     pub(crate) fn sends_held(&self) -> usize {
         self.sending.len()
+    }
+
+    /// Memory windows this QP holds (free, bound and being invalidated).
+    pub(crate) fn windows_held(&self) -> usize {
+        self.windows.free.len() + self.windows.bound.len() + self.windows.invalidating.len()
+    }
+
+    /// The last window bound: (address, length, key) (for the guest tests).
+    #[cfg_attr(not(tokio_rdma_guest), allow(dead_code))]
+    pub(crate) fn last_window(&self) -> Option<(u64, u64, u32)> {
+        self.windows.last
+    }
+
+    /// Window binds posted so far.
+    pub(crate) fn window_binds(&self) -> u64 {
+        self.windows.binds
+    }
+
+    /// A bind or invalidation of ours (wr_id with [`MW_WR_FLAG`]) completed
+    /// with `status`. A completed LOCAL_INV releases its message and frees
+    /// its window for reuse. After a failure (the QP is in error, so the
+    /// peer can use no key of it) the message stays held until the QP is
+    /// torn down, windows first. Returns whether a message was released.
+    pub(crate) fn window_completed(&mut self, wr_id: u64, status: u32) -> bool {
+        let Some((token, window)) = self.windows.invalidating.remove(&wr_id) else {
+            return false;
+        };
+        if status == 0 {
+            self.windows.free.push(window);
+            self.sending.remove(&token).is_some()
+        } else {
+            self.windows.bound.insert(token, window);
+            false
+        }
     }
 
     /// Whether send-queue WR `wr_id` (posted, not yet known complete) is an
@@ -192,8 +277,80 @@ impl MessageQp {
         self.last_sge
     }
 
-    /// Posts what the core asked for, all of it with one doorbell.
+    /// Invalidates the windows of finished messages (signaled LOCAL_INVs),
+    /// binds a window for each RTS in `batch` and writes its key into the
+    /// header; returns the headers to post, in batch order.
+    fn prepare_windows(&mut self, batch: &[MsgTransmit]) -> Result<Vec<[u8; RTS_HEADER_LEN]>> {
+        for token in std::mem::take(&mut self.windows.to_invalidate) {
+            let Some(window) = self.windows.bound.remove(&token) else {
+                self.sending.remove(&token);
+                continue;
+            };
+            let wr_id = self.windows.wr_id();
+            let rkey = window.rkey();
+            self.windows.invalidating.insert(wr_id, (token, window));
+            self.qp.post_local_inv(wr_id, rkey, true)?;
+        }
+        let mut headers = Vec::new();
+        for t in batch {
+            let MsgTransmitKind::Rts { token, header, .. } = &t.kind else {
+                continue;
+            };
+            let Some(msg) = self.sending.get(token) else {
+                // Not a message of ours (the test hook's forged RTS): its
+                // header goes out as it is.
+                headers.push(*header);
+                continue;
+            };
+            let mr = msg.raw_mr();
+            if mr == 0 {
+                return Err(internal(format!(
+                    "message {token} has no memory region to bind a window on"
+                )));
+            }
+            let (addr, len) = (msg.addr(), msg.len() as u64);
+            let mut window = match self.windows.free.pop() {
+                Some(w) => w,
+                None => MemoryWindow::alloc(self.qp.device())?,
+            };
+            let wr_id = self.windows.wr_id();
+            // SAFETY: `mr` is the live MR under the message (registered
+            // with MW_BIND on this QP's PD by the pool); the message is held
+            // in `self.sending` until the window's LOCAL_INV completed
+            // (`window_completed`) or, on a failed connection, until this
+            // struct drops, windows first.
+            let rkey = unsafe {
+                self.qp.post_bind_mw(
+                    wr_id,
+                    &mut window,
+                    BindTarget { mr, addr, len },
+                    WindowAccess::RemoteRead,
+                    false,
+                )
+            };
+            let rkey = match rkey {
+                Ok(k) => k,
+                Err(e) => {
+                    self.windows.free.push(window);
+                    return Err(e);
+                }
+            };
+            self.windows.binds += 1;
+            self.windows.last = Some((addr, len, rkey));
+            self.windows.bound.insert(*token, window);
+            let mut h = RtsHeader::decode(header)
+                .ok_or_else(|| internal("the core built a short RTS header".into()))?;
+            h.rkey = rkey;
+            headers.push(h.encode());
+        }
+        Ok(headers)
+    }
+
+    /// Posts what the core asked for, all of it with one doorbell (after
+    /// the window binds and invalidations it needs).
     pub(crate) fn post(&mut self, batch: &[MsgTransmit]) -> Result<()> {
+        let headers = self.prepare_windows(batch)?;
+        let mut headers = headers.iter();
         let mut wrs = Vec::with_capacity(batch.len());
         let mut dests = Vec::with_capacity(batch.len());
         for t in batch {
@@ -232,11 +389,10 @@ impl MessageQp {
                     };
                     SendOp::SendImm { payload, imm }
                 }
-                MsgTransmitKind::Rts {
-                    header,
-                    imm,
-                    inline,
-                } => {
+                MsgTransmitKind::Rts { imm, inline, .. } => {
+                    let header = headers
+                        .next()
+                        .ok_or_else(|| internal("RTS without a prepared header".into()))?;
                     let payload = if *inline {
                         SendPayload::Inline(header)
                     } else {
@@ -308,7 +464,8 @@ impl MessageQp {
         }
         // SAFETY: every SGE names registered memory on this QP's PD that
         // outlives its WR: a message held in `self.sending` until the core
-        // reports its send done (a SEND only reads it); the QP's own RTS
+        // reports its send done (a SEND only reads it) and, for a
+        // rendezvous, until its window is invalidated; the QP's own RTS
         // scratch; a destination inside its bounds (checked above), held in
         // `self.dests`/`self.zombies` while a READ into it is outstanding
         // (`dest_busy`, fed by `self.outstanding` below). Inline payloads

@@ -121,9 +121,17 @@ impl PoolBuf {
         self.slab.reg.lkey()
     }
 
-    /// The remote key of the slab's memory region.
+    /// The remote key of the slab's memory region. The slab is registered
+    /// without remote access, so this key opens nothing to a peer (a
+    /// rendezvous exposes a message through a memory window of its own).
     pub fn rkey(&self) -> u32 {
         self.slab.reg.rkey()
+    }
+
+    /// The slab's `ibv_mr` address, 0 for fakes (see
+    /// [`Registration::raw_mr`](super::Registration::raw_mr)).
+    pub(crate) fn raw_mr(&self) -> usize {
+        self.slab.reg.raw_mr()
     }
 
     /// Freezes the written bytes into an immutable, cheaply cloned
@@ -132,10 +140,12 @@ impl PoolBuf {
     pub fn freeze(self) -> PoolBytes {
         let lkey = self.lkey();
         let rkey = self.rkey();
+        let raw_mr = self.raw_mr();
         PoolBytes {
             bytes: Bytes::from_owner(self),
             lkey,
             rkey,
+            raw_mr,
         }
     }
 
@@ -252,6 +262,8 @@ pub struct PoolBytes {
     bytes: Bytes,
     lkey: u32,
     rkey: u32,
+    /// The slab's `ibv_mr` (for memory-window binds), 0 for fakes.
+    raw_mr: usize,
 }
 
 impl PoolBytes {
@@ -275,7 +287,8 @@ impl PoolBytes {
         self.lkey
     }
 
-    /// Remote key of the memory region holding the bytes.
+    /// Remote key of the memory region holding the bytes (opens nothing to
+    /// a peer: see [`PoolBuf::rkey`]).
     pub fn rkey(&self) -> u32 {
         self.rkey
     }
@@ -297,6 +310,7 @@ impl PoolBytes {
             bytes: self.bytes.slice(range),
             lkey: self.lkey,
             rkey: self.rkey,
+            raw_mr: self.raw_mr,
         }
     }
 }
@@ -370,12 +384,31 @@ impl OutgoingMessage {
         }
     }
 
-    /// Remote key of the memory region holding the message (registered for
-    /// remote read).
+    /// Remote key of the memory region holding the message. It opens
+    /// nothing to a peer: a rendezvous binds a memory window over exactly
+    /// the message, on the sending connection's QP, for as long as the
+    /// peer reads it.
     pub fn rkey(&self) -> u32 {
         match self {
             OutgoingMessage::Pool(b) => b.rkey(),
             OutgoingMessage::Region(r) => r.rkey(),
+        }
+    }
+
+    /// The `ibv_mr` address under the message, 0 for fakes.
+    pub(crate) fn raw_mr(&self) -> usize {
+        match self {
+            OutgoingMessage::Pool(b) => b.raw_mr,
+            OutgoingMessage::Region(r) => r.raw_mr(),
+        }
+    }
+
+    /// Whether a rendezvous can expose it through a memory window (see
+    /// [`RegisteredRegion::can_bind_windows`]).
+    pub(crate) fn can_bind_windows(&self) -> bool {
+        match self {
+            OutgoingMessage::Pool(b) => b.raw_mr != 0,
+            OutgoingMessage::Region(r) => r.can_bind_windows(),
         }
     }
 

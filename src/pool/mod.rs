@@ -142,6 +142,12 @@ impl PoolConfig {
         self
     }
 
+    /// The bound set by [`max_registered_bytes`](Self::max_registered_bytes),
+    /// bytes.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_registered_bytes
+    }
+
     /// The exhaustion policy set by [`exhausted_policy`](Self::exhausted_policy).
     pub fn policy(&self) -> ExhaustedPolicy {
         self.exhausted

@@ -95,9 +95,24 @@ impl RegisteredRegion {
         self.inner.reg.lkey()
     }
 
-    /// Remote key of the memory region (for RDMA READ by a peer).
+    /// Remote key of the memory region. It opens nothing to a peer: a
+    /// rendezvous binds a memory window over exactly the message.
     pub fn rkey(&self) -> u32 {
         self.inner.reg.rkey()
+    }
+
+    /// The `ibv_mr` address, 0 for fakes.
+    pub(crate) fn raw_mr(&self) -> usize {
+        self.inner.reg.raw_mr()
+    }
+
+    /// Whether a rendezvous can expose this region through a memory window
+    /// (false for read-only pages, such as a `&'static` in `.rodata`: the
+    /// kernel pins memory for window binding writable). A message endpoint
+    /// copies such a region into a pool buffer when it is too large to go
+    /// eagerly.
+    pub fn can_bind_windows(&self) -> bool {
+        self.inner.reg.can_bind_windows()
     }
 
     /// The registered bytes.

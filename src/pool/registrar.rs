@@ -10,17 +10,19 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use crate::error::PoolError;
 use crate::verbs::rc::{MemoryRegistration, MrAccess, OpenDevice};
 
-/// What the NIC may do with registered memory.
+/// What the local NIC may do with registered memory. Neither grants a peer
+/// anything: remote access goes through per-message memory windows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Access {
-    /// Local write, remote write and remote read
-    /// (`IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ`): pool memory,
-    /// which receives land in and peers may RDMA READ or WRITE.
+    /// Local write (`IBV_ACCESS_LOCAL_WRITE`, plus `MW_BIND` where the
+    /// device has memory windows): pool memory, which receives and RDMA
+    /// READs land in.
     ReadWrite,
-    /// Remote read only (`IBV_ACCESS_REMOTE_READ`): user memory registered
-    /// for sending ([`RegisteredRegion`](super::RegisteredRegion)). The NIC
-    /// never writes it, so read-only pages (a `&'static` in `.rodata`) can be
+    /// No write at all (only `MW_BIND` where the device has memory
+    /// windows): user memory registered for sending
+    /// ([`RegisteredRegion`](super::RegisteredRegion)). The NIC never
+    /// writes it, so read-only pages (a `&'static` in `.rodata`) can be
     /// registered.
     ReadOnly,
 }
@@ -31,8 +33,23 @@ pub trait Registration: Send + Sync {
     /// The local key (lkey) that work requests on this PD use in their
     /// scatter/gather elements.
     fn lkey(&self) -> u32;
-    /// The remote key (rkey) a peer uses for RDMA READ/WRITE into this memory.
+    /// The memory region's own remote key. Pool and user regions are
+    /// registered without remote access, so this key opens nothing; peers
+    /// reach a buffer only through a memory window bound for them.
     fn rkey(&self) -> u32;
+    /// The address of the underlying `ibv_mr`, for binding memory windows
+    /// on it; 0 for registrations without one (test fakes). Not an API:
+    /// only the crate's verbs code dereferences it.
+    #[doc(hidden)]
+    fn raw_mr(&self) -> usize {
+        0
+    }
+    /// Whether memory windows can be bound on this registration (it has
+    /// `MW_BIND`): false for read-only pages, which the kernel cannot pin
+    /// for MW_BIND, and for test fakes.
+    fn can_bind_windows(&self) -> bool {
+        false
+    }
 }
 
 /// Registers memory with a protection domain. The pool and
@@ -58,6 +75,19 @@ pub trait Registrar: Send + Sync + 'static {
     ) -> Result<Box<dyn Registration>, PoolError>;
 }
 
+/// The memory-region access flags for `access`: the least that works. No
+/// registration of the pool is remotely accessible by its own key; where
+/// the device has memory windows, `MW_BIND` lets a window open exactly one
+/// message's bytes to exactly one connection, for as long as it is read.
+pub(crate) fn mr_access(access: Access, memory_windows: bool) -> MrAccess {
+    match (access, memory_windows) {
+        (Access::ReadWrite, true) => MrAccess::LocalWriteMwBind,
+        (Access::ReadWrite, false) => MrAccess::LocalWrite,
+        (Access::ReadOnly, true) => MrAccess::MwBind,
+        (Access::ReadOnly, false) => MrAccess::LocalRead,
+    }
+}
+
 /// `ibv_reg_mr` on an opened device's protection domain (through the
 /// verbs layer).
 pub(crate) struct VerbsRegistrar {
@@ -71,6 +101,12 @@ impl Registration for MemoryRegistration {
     fn rkey(&self) -> u32 {
         MemoryRegistration::rkey(self)
     }
+    fn raw_mr(&self) -> usize {
+        MemoryRegistration::raw_mr(self) as usize
+    }
+    fn can_bind_windows(&self) -> bool {
+        MemoryRegistration::can_bind_windows(self)
+    }
 }
 
 impl Registrar for VerbsRegistrar {
@@ -80,14 +116,21 @@ impl Registrar for VerbsRegistrar {
         len: usize,
         access: Access,
     ) -> Result<Box<dyn Registration>, PoolError> {
-        let access = match access {
-            Access::ReadWrite => MrAccess::LocalRemoteReadWrite,
-            Access::ReadOnly => MrAccess::RemoteRead,
-        };
+        let access = mr_access(access, self.device.has_memory_windows());
         // SAFETY: the caller of `register` gives the same guarantee that
         // `MemoryRegistration::new` needs (memory valid until dropped).
-        let mr = unsafe { MemoryRegistration::new(&self.device, ptr, len, access) }
-            .map_err(|source| PoolError::Registration { len, source })?;
+        let mr = match unsafe { MemoryRegistration::new(&self.device, ptr, len, access) } {
+            // Read-only pages (a `&'static` in .rodata) cannot be pinned for
+            // MW_BIND (the kernel pins it writable): register them for local
+            // reads only; such a region goes eagerly, or is copied for a
+            // rendezvous.
+            Err(e) if access == MrAccess::MwBind && e.raw_os_error() == Some(libc::EFAULT) => {
+                // SAFETY: as above.
+                unsafe { MemoryRegistration::new(&self.device, ptr, len, MrAccess::LocalRead) }
+            }
+            other => other,
+        }
+        .map_err(|source| PoolError::Registration { len, source })?;
         Ok(Box::new(mr))
     }
 }
@@ -203,5 +246,31 @@ impl Registrar for FakeRegistrar {
             len,
             state: Arc::clone(&self.state),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No pool registration is remotely accessible by its own key: remote
+    /// access exists only through memory windows.
+    #[test]
+    fn registrations_get_the_least_access_that_works() {
+        assert_eq!(
+            mr_access(Access::ReadWrite, true),
+            MrAccess::LocalWriteMwBind
+        );
+        assert_eq!(mr_access(Access::ReadOnly, true), MrAccess::MwBind);
+        assert_eq!(mr_access(Access::ReadWrite, false), MrAccess::LocalWrite);
+        assert_eq!(mr_access(Access::ReadOnly, false), MrAccess::LocalRead);
+        for access in [Access::ReadWrite, Access::ReadOnly] {
+            for windows in [true, false] {
+                assert!(
+                    !mr_access(access, windows).grants_remote_access(),
+                    "{access:?} windows={windows}"
+                );
+            }
+        }
     }
 }

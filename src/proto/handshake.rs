@@ -16,12 +16,17 @@
 //! | 4      | 2    | version      | [`VERSION`] = 1                                    |
 //! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
 //! | 7      | 1    | flags        | 0 (ignored on receipt)                             |
-//! | 8      | 8    | ring_addr    | virtual address of the sender's receive ring       |
-//! | 16     | 4    | ring_rkey    | rkey of the memory region holding the ring         |
-//! | 20     | 4    | ring_len     | ring length in bytes, `1..=`[`MAX_RING_LEN`]       |
+//! | 8      | 8    | ring_addr    | byte stream: virtual address of the sender's receive ring; message endpoint: `max_message_len`, bytes, `1..=2^48` |
+//! | 16     | 4    | ring_rkey    | byte stream: the key of the ring's memory window (bound on the sender's QP only); message endpoint: 0 |
+//! | 20     | 4    | ring_len     | ring length in bytes, `1..=`[`MAX_RING_LEN`] (message endpoint: its receive buffers' length) |
 //! | 24     | 2    | recv_depth   | receive WRs kept posted, [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`] |
-//! | 26     | 2    | reserved     | 0 (ignored on receipt)                             |
+//! | 26     | 2    | max_rendezvous_in_flight | message endpoint: rendezvous the sender accepts outstanding, at least 1; byte stream: 0 (ignored) |
 //! | 28     | 4    | reserved     | 0 (ignored on receipt)                             |
+//!
+//! Limits that bind both sides are agreed here: a message endpoint uses the
+//! smaller of the two `max_message_len` and `max_rendezvous_in_flight`
+//! values, so a sender never exceeds what the receiver accepts (a `send`
+//! above the agreed length fails locally with `InvalidInput`).
 //!
 //! rdma_cm pads private data with zeros up to the transport's limit (56 bytes
 //! for a RoCE/IB `CONNECT_REQUEST`), so bytes after the first 32 are ignored.
@@ -36,7 +41,9 @@ use std::fmt;
 pub const MAGIC: u32 = 0x544B_5244;
 
 /// The protocol version this crate speaks (and the only one it accepts).
-pub const VERSION: u16 = 1;
+/// Version 2 added the message endpoint's limits and keys the stream ring by
+/// a memory window.
+pub const VERSION: u16 = 2;
 
 /// Length in bytes of an encoded [`Hello`].
 pub const HELLO_LEN: usize = 32;
@@ -119,6 +126,12 @@ pub struct Hello {
     /// Number of receive WRs the sender keeps posted,
     /// [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`].
     pub recv_depth: u16,
+    /// Message endpoint: the largest message it accepts, bytes (0 for a
+    /// byte stream).
+    pub max_message_len: u64,
+    /// Message endpoint: the rendezvous it accepts outstanding (0 for a
+    /// byte stream).
+    pub max_rendezvous_in_flight: u16,
 }
 
 impl Hello {
@@ -132,11 +145,18 @@ impl Hello {
         out[4..6].copy_from_slice(&VERSION.to_be_bytes());
         out[6] = self.kind.to_u8();
         out[7] = 0; // flags
-        out[8..16].copy_from_slice(&self.ring_addr.to_be_bytes());
+        let addr_or_len = match self.kind {
+            EndpointKind::ByteStream => self.ring_addr,
+            EndpointKind::Message => self.max_message_len,
+        };
+        out[8..16].copy_from_slice(&addr_or_len.to_be_bytes());
         out[16..20].copy_from_slice(&self.ring_rkey.to_be_bytes());
         out[20..24].copy_from_slice(&self.ring_len.to_be_bytes());
         out[24..26].copy_from_slice(&self.recv_depth.to_be_bytes());
-        // 26..32 reserved, zero.
+        if self.kind == EndpointKind::Message {
+            out[26..28].copy_from_slice(&self.max_rendezvous_in_flight.to_be_bytes());
+        }
+        // 28..32 reserved, zero.
         out
     }
 
@@ -200,12 +220,31 @@ impl Hello {
                 reason: "recv_depth is above 1023",
             });
         }
+        let (ring_addr, max_message_len, max_rendezvous_in_flight) = match kind {
+            EndpointKind::ByteStream => (ring_addr, 0, 0),
+            EndpointKind::Message => {
+                let rdv = u16::from_be_bytes([b[26], b[27]]);
+                if ring_addr == 0 {
+                    return Err(HandshakeError::InvalidRing {
+                        reason: "max_message_len is 0",
+                    });
+                }
+                if rdv == 0 {
+                    return Err(HandshakeError::InvalidRing {
+                        reason: "max_rendezvous_in_flight is 0",
+                    });
+                }
+                (0, ring_addr, rdv)
+            }
+        };
         Ok(Hello {
             kind,
             ring_addr,
             ring_rkey,
             ring_len,
             recv_depth,
+            max_message_len,
+            max_rendezvous_in_flight,
         })
     }
 
@@ -403,6 +442,20 @@ mod tests {
             ring_rkey: 0x1122_3344,
             ring_len: 4099,
             recv_depth: 64,
+            max_message_len: 0,
+            max_rendezvous_in_flight: 0,
+        }
+    }
+
+    fn sample_message() -> Hello {
+        Hello {
+            kind: EndpointKind::Message,
+            ring_addr: 0,
+            ring_rkey: 0,
+            ring_len: 4096,
+            recv_depth: 128,
+            max_message_len: 128 << 20,
+            max_rendezvous_in_flight: 8,
         }
     }
 
@@ -413,7 +466,7 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x01, // version
+                0x00, 0x02, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
@@ -424,21 +477,44 @@ mod tests {
             ]
         );
         assert_eq!(&bytes[0..4], b"TKRD");
+        let m = sample_message().encode();
+        assert_eq!(&m[8..16], &(128u64 << 20).to_be_bytes(), "max_message_len");
+        assert_eq!(&m[26..28], &[0x00, 0x08], "max_rendezvous_in_flight");
+        assert_eq!(Hello::decode(&m), Ok(sample_message()));
+    }
+
+    #[test]
+    fn message_hello_needs_its_limits() {
+        let mut m = sample_message().encode();
+        m[26..28].copy_from_slice(&[0, 0]);
+        assert_eq!(
+            Hello::decode(&m),
+            Err(HandshakeError::InvalidRing {
+                reason: "max_rendezvous_in_flight is 0"
+            })
+        );
+        let mut m = sample_message().encode();
+        m[8..16].copy_from_slice(&[0; 8]);
+        assert_eq!(
+            Hello::decode(&m),
+            Err(HandshakeError::InvalidRing {
+                reason: "max_message_len is 0"
+            })
+        );
     }
 
     #[test]
     fn hello_round_trips_both_kinds_and_limits() {
-        for kind in [EndpointKind::ByteStream, EndpointKind::Message] {
+        for base in [sample(), sample_message()] {
             for (ring_len, recv_depth) in [
                 (1, MIN_RECV_DEPTH),
                 (MAX_RING_LEN, MAX_RECV_DEPTH),
                 (4099, 7),
             ] {
                 let hello = Hello {
-                    kind,
                     ring_len,
                     recv_depth,
-                    ..sample()
+                    ..base
                 };
                 assert_eq!(Hello::decode(&hello.encode()), Ok(hello));
             }
@@ -481,22 +557,16 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        bytes[4..6].copy_from_slice(&2u16.to_be_bytes());
-        assert_eq!(
-            Hello::decode(&bytes),
-            Err(HandshakeError::UnsupportedVersion {
-                found: 2,
-                supported: 1
-            })
-        );
-        bytes[4..6].copy_from_slice(&0u16.to_be_bytes());
-        assert_eq!(
-            Hello::decode(&bytes),
-            Err(HandshakeError::UnsupportedVersion {
-                found: 0,
-                supported: 1
-            })
-        );
+        for found in [0u16, 1, 3] {
+            bytes[4..6].copy_from_slice(&found.to_be_bytes());
+            assert_eq!(
+                Hello::decode(&bytes),
+                Err(HandshakeError::UnsupportedVersion {
+                    found,
+                    supported: 2
+                })
+            );
+        }
     }
 
     #[test]
@@ -509,10 +579,7 @@ mod tests {
                 Err(HandshakeError::UnknownKind { found: bad })
             );
         }
-        let message = Hello {
-            kind: EndpointKind::Message,
-            ..sample()
-        };
+        let message = sample_message();
         let decoded = Hello::decode(&message.encode()).unwrap();
         assert_eq!(
             decoded.expect_kind(EndpointKind::ByteStream),
@@ -591,7 +658,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x01, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x02, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);

@@ -549,6 +549,9 @@ pub enum MsgTransmitKind {
     /// not `inline` the runtime copies it into registered scratch memory
     /// first.
     Rts {
+        /// The message's token (the runtime binds a memory window over it
+        /// and writes the window's key into `header`).
+        token: u64,
         /// The encoded [`RtsHeader`].
         header: [u8; RTS_HEADER_LEN],
         /// Immediate data (host order): [`MsgImm::Rts`].
@@ -709,6 +712,19 @@ pub struct MessageStats {
     pub rendezvous_stalls: u64,
     /// Times work was blocked on a full send queue, once per blocked period.
     pub send_queue_stalls: u64,
+    /// Memory-window binds posted: one per rendezvous announced (filled by
+    /// the endpoint; 0 from the core alone).
+    pub window_binds: u64,
+    /// Memory windows the endpoint's QP holds now (free, bound, being
+    /// invalidated; filled by the endpoint).
+    pub windows_held: u64,
+    /// Pool bytes this endpoint holds now for rendezvous destinations and
+    /// received messages the application has not taken (what its quota
+    /// bounds; filled by the endpoint).
+    pub quota_bytes_held: u64,
+    /// Times a rendezvous destination waited because the endpoint was at
+    /// its pool quota (filled by the endpoint).
+    pub quota_stalls: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -1234,6 +1250,7 @@ impl MessageCore {
                 }
                 .encode();
                 let kind = MsgTransmitKind::Rts {
+                    token: m.token,
                     header,
                     imm: MsgImm::Rts { seq }.encode(),
                     inline: RTS_HEADER_LEN as u32 <= self.p.inline_threshold,

@@ -27,8 +27,10 @@ use crate::error::{Error, Result};
 use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::stream::{RecvEvent, StreamCore, Transmit, TransmitKind};
 use crate::proto::{ProtocolError, WriteError};
-use crate::stats::ConnectionStats;
-use crate::verbs::rc::{Completion, RcQueuePair, WcKind};
+use crate::stats::{ConnectionStats, RemoteAccess};
+use crate::verbs::rc::{
+    Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RcQueuePair, RingIsolation, WcKind,
+};
 
 /// `ibv_wc_status` values the stream distinguishes.
 const WC_SUCCESS: u32 = 0;
@@ -140,6 +142,10 @@ impl StreamState {
     /// Handles one completion. Returns the number of receive WRs to repost.
     fn on_completion(&mut self, wc: &Completion) -> u32 {
         self.stats.completions += 1;
+        if wc.status == WC_SUCCESS && wc.wr_id & MW_WR_FLAG != 0 && wc.wr_id & RECV_WR_FLAG == 0 {
+            // The verbs layer's own work (a window bind), not the core's.
+            return 0;
+        }
         if wc.status != WC_SUCCESS {
             if wc.status == WC_WR_FLUSH_ERR && (self.peer_gone || self.error.is_some()) {
                 return 0;
@@ -147,6 +153,7 @@ impl StreamState {
             self.peer_gone = true;
             self.core.on_connection_lost();
             let op = match wc.kind {
+                _ if wc.wr_id == PROBE_WR_ID => "keepalive probe (zero-length RDMA WRITE)",
                 WcKind::RecvImm | WcKind::Recv => "receive",
                 _ => "RDMA WRITE WITH IMM",
             };
@@ -260,6 +267,14 @@ impl Driven for StreamState {
 
     fn finished(&self) -> bool {
         self.error.is_some() || self.peer_gone || self.core.all_sent()
+    }
+
+    fn alive(&self) -> bool {
+        self.error.is_none() && !self.peer_gone
+    }
+
+    fn failure(&self) -> Option<bool> {
+        self.error.as_ref().map(|_| self.core.all_sent())
     }
 
     fn on_disconnected(&mut self) {
@@ -502,10 +517,32 @@ impl Conn {
         Poll::Ready(Ok(()))
     }
 
+    /// The receive ring's address and the key announced for it (test hook).
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn ring_key(&self) -> (u64, u32) {
+        let st = self.lock();
+        (st.qp.recv_ring.addr(), st.qp.ring_rkey())
+    }
+
+    /// Posts an RDMA WRITE WITH IMM of `len` bytes of the send buffer to
+    /// `remote_addr` with `rkey`, as a misbehaving peer would (test hook).
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn forge_ring_write(&self, remote_addr: u64, rkey: u32, len: u32) -> io::Result<()> {
+        let mut st = self.lock();
+        st.qp
+            .post_write_imm(MW_WR_FLAG | 0xF0, 0, len, remote_addr, rkey, 0, true, false)
+            .map_err(io::Error::from)
+    }
+
     pub(crate) fn stats(&self) -> ConnectionStats {
         let st = self.lock();
         let mut s = st.stats.clone();
         s.credit_stalls += st.core.stats().credit_stalls;
+        s.remote_access = match st.qp.ring_isolation() {
+            RingIsolation::OwnPd => RemoteAccess::OwnProtectionDomain,
+            _ => RemoteAccess::MemoryWindow,
+        };
+        s.registered_bytes = (st.qp.recv_ring.len() + st.qp.send_buf.len()) as u64;
         s
     }
 }
@@ -515,9 +552,11 @@ pub(crate) fn local_hello(qp: &RcQueuePair, cfg: &RdmaConfig) -> Hello {
     Hello {
         kind: EndpointKind::ByteStream,
         ring_addr: qp.recv_ring.addr(),
-        ring_rkey: qp.recv_ring.rkey(),
+        ring_rkey: qp.ring_rkey(),
         ring_len: cfg.ring_size,
         recv_depth: cfg.recv_queue_depth,
+        max_message_len: 0,
+        max_rendezvous_in_flight: 0,
     }
 }
 
@@ -527,6 +566,13 @@ pub(crate) fn start(
     cfg: &RdmaConfig,
 ) -> Result<Handle<StreamState>> {
     let max_inline = est.qp.max_inline();
+    match est.qp.ring_isolation() {
+        RingIsolation::OwnPd => tracing::info!(
+            device = %est.device,
+            "device has no memory windows: the receive ring is opened to the peer on a protection domain of its own"
+        ),
+        _ => debug!("receive ring opened to the peer through a memory window bound on this QP"),
+    }
     let core =
         StreamCore::new(cfg.stream_params(est.peer.ring_len, est.peer.recv_depth, max_inline))?;
     let state = StreamState {
@@ -553,6 +599,7 @@ pub(crate) fn start(
         device: est.device,
         fallback_addr: est.fallback_addr,
         linger: cfg.linger,
+        keepalive: cfg.keepalive,
         kind: "stream",
     }))
 }

@@ -37,6 +37,9 @@ impl Setup for StreamSetup {
         qp.post_recvs(self.0.recv_queue_depth.into())?;
         Ok(conn::local_hello(qp, &self.0))
     }
+    async fn on_rts(&self, qp: &mut RcQueuePair) -> Result<()> {
+        qp.bind_ring_window().await
+    }
     fn finish(&self, est: Established<RcQueuePair>) -> Result<Handle<StreamState>> {
         conn::start(est, &self.0)
     }

@@ -118,6 +118,16 @@ impl RdmaStream {
         self.conn.stats()
     }
 
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn ring_key(&self) -> (u64, u32) {
+        self.conn.ring_key()
+    }
+
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn forge_ring_write(&self, addr: u64, rkey: u32, len: u32) -> io::Result<()> {
+        self.conn.forge_ring_write(addr, rkey, len)
+    }
+
     /// Splits into borrowed read and write halves (like
     /// `TcpStream::split`).
     pub fn split(&mut self) -> (ReadHalf<'_>, WriteHalf<'_>) {

@@ -15,6 +15,8 @@
 
 pub(crate) mod cm;
 pub mod device;
+#[allow(unsafe_code)]
+pub(crate) mod mw;
 pub(crate) mod rc;
 
 pub use device::{

@@ -18,7 +18,9 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rdma_mummy_sys::{
-    ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_modify_qp, ibv_qp_state, ibv_req_notify_cq,
+    bind_mw_t, ibv_access_flags, ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_modify_qp,
+    ibv_mr, ibv_mw_bind_info, ibv_post_send, ibv_qp_state, ibv_req_notify_cq, ibv_send_flags,
+    ibv_send_wr, ibv_wr_opcode,
 };
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue as _};
@@ -35,6 +37,7 @@ use sideway::ibverbs::queue_pair::{
 use tokio::io::unix::AsyncFd;
 
 use super::cm::CmId;
+use super::mw::{MemoryWindow, WindowAccess};
 use crate::error::{Error, Result};
 
 /// An opened device with the protection domain every connection on it shares.
@@ -43,6 +46,16 @@ pub(crate) struct OpenDevice {
     pub(crate) name: String,
     pub(crate) pd: Arc<ProtectionDomain>,
     pub(crate) ctx: Arc<DeviceContext>,
+    /// Memory windows the device supports (`ibv_device_attr::max_mw`); 0
+    /// for providers without them.
+    pub(crate) max_mw: u32,
+}
+
+impl OpenDevice {
+    /// Whether the device has type-2 memory windows.
+    pub(crate) fn has_memory_windows(&self) -> bool {
+        self.max_mw > 0
+    }
 }
 
 /// Opens (once per process) the device called `name` and its PD.
@@ -69,10 +82,15 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         op: "ibv_alloc_pd",
         source: io::Error::other(e),
     })?;
+    let max_mw = ctx
+        .query_device()
+        .map(|a| u32::try_from(a.max_mw()).unwrap_or(0))
+        .unwrap_or(0);
     let d = Arc::new(OpenDevice {
         name: name.to_string(),
         pd,
         ctx,
+        max_mw,
     });
     map.insert(name.to_string(), Arc::clone(&d));
     Ok(d)
@@ -88,18 +106,46 @@ fn reg_mr_errno(e: RegisterMemoryRegionError) -> io::Error {
 }
 
 /// What a memory region allows the NIC to do (the least that works is
-/// chosen by the caller).
+/// chosen by the caller). None of these opens the region to a peer by its
+/// own rkey: peers reach it only through a memory window bound for them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum MrAccess {
-    /// `IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ`.
-    LocalRemoteReadWrite,
-    /// `IBV_ACCESS_REMOTE_READ` only: the NIC never writes it.
-    RemoteRead,
+    /// `IBV_ACCESS_LOCAL_WRITE | MW_BIND`: receives and RDMA READs land in
+    /// it, and windows may be bound on it. Pool slabs.
+    LocalWriteMwBind,
+    /// `IBV_ACCESS_MW_BIND` only: the NIC never writes it (read-only pages
+    /// can be registered) and windows may be bound on it. User regions.
+    MwBind,
+    /// `IBV_ACCESS_LOCAL_WRITE` only: a device without memory windows.
+    LocalWrite,
+    /// No access flags: a read-only region on a device without windows.
+    LocalRead,
+}
+
+impl MrAccess {
+    /// Whether the region's own key lets a peer read, write or run atomics
+    /// on it.
+    pub(crate) fn grants_remote_access(self) -> bool {
+        let f = self.flags();
+        f.contains(AccessFlags::RemoteWrite)
+            || f.contains(AccessFlags::RemoteRead)
+            || f.contains(AccessFlags::RemoteAtomic)
+    }
+
+    fn flags(self) -> AccessFlags {
+        match self {
+            MrAccess::LocalWriteMwBind => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
+            MrAccess::MwBind => AccessFlags::MemoryWindowBind,
+            MrAccess::LocalWrite => AccessFlags::LocalWrite,
+            MrAccess::LocalRead => AccessFlags::none(),
+        }
+    }
 }
 
 /// One memory region on an opened device's PD; deregistered when dropped.
 pub(crate) struct MemoryRegistration {
     mr: Arc<MemoryRegion>,
+    access: MrAccess,
     // Keeps the device context open while the MR lives.
     _device: Arc<OpenDevice>,
 }
@@ -116,12 +162,9 @@ impl MemoryRegistration {
         len: usize,
         access: MrAccess,
     ) -> io::Result<Self> {
-        let flags = match access {
-            MrAccess::LocalRemoteReadWrite => {
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead
-            }
-            MrAccess::RemoteRead => AccessFlags::RemoteRead,
-        };
+        // Pool and user regions never open themselves by their own key.
+        debug_assert!(!access.grants_remote_access());
+        let flags = access.flags();
         // SAFETY: the caller guarantees `ptr` is valid for `len` bytes (and
         // writable when `access` allows writes) until this registration,
         // which owns the MR, is dropped.
@@ -129,6 +172,7 @@ impl MemoryRegistration {
             unsafe { device.pd.reg_mr(ptr.as_ptr() as usize, len, flags) }.map_err(reg_mr_errno)?;
         Ok(MemoryRegistration {
             mr,
+            access,
             _device: Arc::clone(device),
         })
     }
@@ -141,6 +185,18 @@ impl MemoryRegistration {
     /// The remote key.
     pub(crate) fn rkey(&self) -> u32 {
         self.mr.rkey()
+    }
+
+    /// Whether windows can be bound on it (registered with `MW_BIND`).
+    pub(crate) fn can_bind_windows(&self) -> bool {
+        matches!(self.access, MrAccess::LocalWriteMwBind | MrAccess::MwBind)
+    }
+
+    /// The raw `ibv_mr`, for binding memory windows on it (valid while
+    /// this registration lives).
+    pub(crate) fn raw_mr(&self) -> *mut ibv_mr {
+        // SAFETY: the pointer is only handed out, not dereferenced here.
+        unsafe { self.mr.mr().as_ptr() }
     }
 }
 
@@ -200,6 +256,12 @@ impl RegisteredBuffer {
     }
     pub(crate) fn rkey(&self) -> u32 {
         self.mr.rkey()
+    }
+
+    /// The raw `ibv_mr` (valid while the buffer lives).
+    pub(crate) fn raw_mr(&self) -> *mut ibv_mr {
+        // SAFETY: the pointer is only handed out, not dereferenced here.
+        unsafe { self.mr.mr().as_ptr() }
     }
 
     /// Copies `src` into the buffer at `offset`. Panics never: out-of-range
@@ -357,7 +419,10 @@ pub(crate) const RECV_WR_FLAG: u64 = 1 << 63;
 
 /// An RC QP, its CQ and completion channel, and its two registered buffers.
 pub(crate) struct RcQueuePair {
-    // Drop order: QP, buffers, CQ, channel fd. Events are acked in Drop first.
+    // Drop order: the ring's window (before the QP it is bound to and the
+    // MR under it), QP, buffers, CQ, channel fd, the PD of its own. Events
+    // are acked in Drop first.
+    ring_window: Option<MemoryWindow>,
     qp: BasicQueuePair,
     pub(crate) send_buf: RegisteredBuffer,
     pub(crate) recv_ring: RegisteredBuffer,
@@ -365,8 +430,42 @@ pub(crate) struct RcQueuePair {
     events: Arc<CqEventFd>,
     unacked_events: u32,
     max_inline: u32,
-    _device: Arc<OpenDevice>,
+    ring_isolation: RingIsolation,
+    _pd: Arc<ProtectionDomain>,
+    device: Arc<OpenDevice>,
 }
+
+/// How a stream's receive ring is opened to the peer: never by a key that
+/// any other connection's QP could use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RingIsolation {
+    /// No ring (a message endpoint).
+    NoRing,
+    /// The ring MR has no remote access; a type-2 window bound on this QP
+    /// grants REMOTE_WRITE over exactly the ring.
+    Window,
+    /// A device without windows: the QP and its buffers live on a PD of
+    /// their own, so the ring's REMOTE_WRITE key is useless from any other
+    /// QP.
+    OwnPd,
+}
+
+/// The memory a window is bound over: `len` bytes at virtual address
+/// `addr` of the memory region whose `ibv_mr` is at address `mr`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BindTarget {
+    pub mr: usize,
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// Work requests the verbs layer posts for itself (memory-window binds and
+/// invalidations) carry this wr_id bit, so runtimes tell them apart from
+/// their own.
+pub(crate) const MW_WR_FLAG: u64 = 1 << 62;
+
+/// The wr_id of a keepalive probe ([`RcQueuePair::post_probe`]).
+pub(crate) const PROBE_WR_ID: u64 = MW_WR_FLAG | (1 << 61);
 
 fn verbs(op: &'static str) -> impl FnOnce(io::Error) -> Error {
     move |source| Error::Verbs { op, source }
@@ -392,8 +491,22 @@ impl RcQueuePair {
                 op: "ibv_create_cq",
                 source: io::Error::other(e),
             })?;
-        let qp = device
-            .pd
+        let ring_isolation = if sizes.recv_ring == 0 {
+            RingIsolation::NoRing
+        } else if device.has_memory_windows() {
+            RingIsolation::Window
+        } else {
+            RingIsolation::OwnPd
+        };
+        let pd = if ring_isolation == RingIsolation::OwnPd {
+            device.ctx.alloc_pd().map_err(|e| Error::Verbs {
+                op: "ibv_alloc_pd",
+                source: io::Error::other(e),
+            })?
+        } else {
+            Arc::clone(&device.pd)
+        };
+        let qp = pd
             .create_qp_builder()
             .setup_max_send_wr(sizes.send_depth)
             .setup_max_recv_wr(sizes.recv_depth)
@@ -407,13 +520,17 @@ impl RcQueuePair {
                 op: "ibv_create_qp",
                 source: io::Error::other(e),
             })?;
-        let send_buf = RegisteredBuffer::new(&device.pd, sizes.send_buf, AccessFlags::LocalWrite)?;
-        let ring_access = if sizes.recv_ring == 0 {
-            AccessFlags::LocalWrite
-        } else {
-            AccessFlags::LocalWrite | AccessFlags::RemoteWrite
+        let send_buf = RegisteredBuffer::new(&pd, sizes.send_buf, AccessFlags::LocalWrite)?;
+        let ring_access = match ring_isolation {
+            RingIsolation::NoRing => AccessFlags::LocalWrite,
+            RingIsolation::Window => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
+            RingIsolation::OwnPd => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
         };
-        let recv_ring = RegisteredBuffer::new(&device.pd, sizes.recv_ring, ring_access)?;
+        let recv_ring = RegisteredBuffer::new(&pd, sizes.recv_ring, ring_access)?;
+        let ring_window = match ring_isolation {
+            RingIsolation::Window => Some(MemoryWindow::alloc(&device)?),
+            _ => None,
+        };
         // SAFETY: the channel's fd stays open for as long as the Arc we hand
         // to AsyncFd lives, and AsyncFd owns that Arc.
         let events = unsafe {
@@ -424,6 +541,7 @@ impl RcQueuePair {
             source: e.into(),
         })?;
         Ok(RcQueuePair {
+            ring_window,
             qp,
             send_buf,
             recv_ring,
@@ -431,8 +549,179 @@ impl RcQueuePair {
             events: Arc::new(events),
             unacked_events: 0,
             max_inline: sizes.max_inline,
-            _device: device,
+            ring_isolation,
+            _pd: pd,
+            device,
         })
+    }
+
+    /// How the receive ring is opened to the peer.
+    pub(crate) fn ring_isolation(&self) -> RingIsolation {
+        self.ring_isolation
+    }
+
+    /// The device this QP is on.
+    pub(crate) fn device(&self) -> &Arc<OpenDevice> {
+        &self.device
+    }
+
+    /// The key the peer writes the ring with: the window's key once
+    /// [`bind_ring_window`](Self::bind_ring_window) ran (announced in the
+    /// handshake before, since the bind chooses it), or the ring MR's own
+    /// key on a QP with a PD of its own.
+    pub(crate) fn ring_rkey(&self) -> u32 {
+        match &self.ring_window {
+            Some(w) => w.next_rkey(),
+            None => self.recv_ring.rkey(),
+        }
+    }
+
+    /// Binds the ring's window (REMOTE_WRITE over exactly the ring, on this
+    /// QP) and waits for the bind to complete. The QP must be in RTS and
+    /// the peer must not write yet (called before `rdma_accept`/the RTU).
+    /// No-op without a window.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if posting fails, [`Error::WorkCompletion`] if the
+    /// bind completes with an error, [`Error::Internal`] if it does not
+    /// complete within 5 s.
+    pub(crate) async fn bind_ring_window(&mut self) -> Result<()> {
+        let Some(mut window) = self.ring_window.take() else {
+            return Ok(());
+        };
+        let (addr, len, mr) = (
+            self.recv_ring.addr(),
+            self.recv_ring.len() as u64,
+            self.recv_ring.raw_mr() as usize,
+        );
+        let wr_id = MW_WR_FLAG;
+        let want = window.next_rkey();
+        // SAFETY: the ring lives as long as this QP and the window is
+        // dropped before both (field order), so the window never outlives
+        // the memory it opens.
+        let posted = unsafe {
+            self.post_bind_mw(
+                wr_id,
+                &mut window,
+                BindTarget { mr, addr, len },
+                WindowAccess::RemoteWrite,
+                true,
+            )
+        };
+        self.ring_window = Some(window);
+        let got = posted?;
+        debug_assert_eq!(got, want);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut wcs = Vec::new();
+        loop {
+            wcs.clear();
+            self.poll(&mut wcs)?;
+            if let Some(wc) = wcs.iter().find(|wc| wc.wr_id == wr_id) {
+                if wc.status != 0 {
+                    return Err(Error::WorkCompletion {
+                        op: "BIND_MW",
+                        status: wc.status,
+                    });
+                }
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(Error::Internal(
+                    "the receive ring's memory-window bind did not complete".into(),
+                ));
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Posts a BIND_MW work request: `window` grants `access` over
+    /// `target` (`len` bytes at `addr` of the memory region `mr`), through
+    /// this QP only.
+    /// Returns the window's new key. Unsignaled binds complete silently (an
+    /// error still completes, and fails the QP).
+    ///
+    /// # Safety
+    /// `mr` must be the address of a live `ibv_mr` on this QP's PD registered with
+    /// `MW_BIND` (and `LOCAL_WRITE` for `RemoteWrite`) covering the range,
+    /// and that memory must stay allocated until the window is invalidated
+    /// ([`post_local_inv`](Self::post_local_inv) completed) or deallocated.
+    pub(crate) unsafe fn post_bind_mw(
+        &mut self,
+        wr_id: u64,
+        window: &mut MemoryWindow,
+        target: BindTarget,
+        access: WindowAccess,
+        signaled: bool,
+    ) -> Result<u32> {
+        let BindTarget { mr, addr, len } = target;
+        let old = window.rkey();
+        let new_rkey = window.next_rkey();
+        let raw_mw = window.start_bind(new_rkey);
+        let flags = match access {
+            WindowAccess::RemoteRead => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            WindowAccess::RemoteWrite => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+        };
+        // SAFETY: ibv_send_wr is plain data (pointers, integers, unions of
+        // them); all-zero is a valid value that the fields below complete.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+        wr.send_flags = if signaled {
+            ibv_send_flags::IBV_SEND_SIGNALED.0
+        } else {
+            0
+        };
+        wr.bind_mw_tso_union.bind_mw = bind_mw_t {
+            mw: raw_mw,
+            rkey: new_rkey,
+            bind_info: ibv_mw_bind_info {
+                mr: mr as *mut ibv_mr,
+                addr,
+                length: len,
+                mw_access_flags: flags,
+            },
+        };
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: valid QP; `wr` is a single, fully initialised WR that
+        // lives across the call; the caller guarantees `mr` and its memory.
+        let ret = unsafe { ibv_post_send(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
+        if ret != 0 {
+            window.abort_bind(old);
+            return Err(Error::Verbs {
+                op: "ibv_post_send (BIND_MW)",
+                source: io::Error::from_raw_os_error(ret),
+            });
+        }
+        window.bound();
+        Ok(new_rkey)
+    }
+
+    /// Posts a LOCAL_INV work request for window key `rkey`: once it
+    /// completes, the key opens nothing and the window can be bound again.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] with the errno if posting fails.
+    pub(crate) fn post_local_inv(&mut self, wr_id: u64, rkey: u32, signaled: bool) -> Result<()> {
+        // SAFETY: plain data, see post_bind_mw.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
+        wr.send_flags = if signaled {
+            ibv_send_flags::IBV_SEND_SIGNALED.0
+        } else {
+            0
+        };
+        wr.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: valid QP; a single initialised WR with no memory of ours.
+        let ret = unsafe { ibv_post_send(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
+        if ret != 0 {
+            return Err(Error::Verbs {
+                op: "ibv_post_send (LOCAL_INV)",
+                source: io::Error::from_raw_os_error(ret),
+            });
+        }
+        Ok(())
     }
 
     /// QP number, for the rdma_cm connect/accept parameters.
@@ -471,9 +760,58 @@ impl RcQueuePair {
         self.modify_from_cm(id, ibv_qp_state::IBV_QPS_RTR)
     }
 
-    /// Moves the QP to RTS (ready to send) with rdma_cm's attributes.
-    pub(crate) fn modify_to_rts(&mut self, id: &CmId) -> Result<()> {
-        self.modify_from_cm(id, ibv_qp_state::IBV_QPS_RTS)
+    /// Moves the QP to RTS (ready to send) with rdma_cm's attributes, but
+    /// the RC transport's ACK timeout exponent and retry count given here
+    /// (`RdmaConfig::ack_timeout`/`retry_count`).
+    pub(crate) fn modify_to_rts(
+        &mut self,
+        id: &CmId,
+        ack_timeout: u8,
+        retry_count: u8,
+    ) -> Result<()> {
+        let (mut attr, mask) = id.init_qp_attr(ibv_qp_state::IBV_QPS_RTS)?;
+        attr.timeout = ack_timeout;
+        attr.retry_cnt = retry_count;
+        let mask = mask
+            | rdma_mummy_sys::ibv_qp_attr_mask::IBV_QP_TIMEOUT.0 as i32
+            | rdma_mummy_sys::ibv_qp_attr_mask::IBV_QP_RETRY_CNT.0 as i32;
+        // SAFETY: the QP is valid; `attr`/`mask` come from
+        // rdma_init_qp_attr for this transition, with two fields changed
+        // to values the caller validated (1..=31, 0..=7).
+        let ret = unsafe { ibv_modify_qp(self.qp.qp().as_ptr(), &mut attr, mask) };
+        if ret != 0 {
+            return Err(Error::Verbs {
+                op: "ibv_modify_qp",
+                source: io::Error::from_raw_os_error(ret),
+            });
+        }
+        Ok(())
+    }
+
+    /// Posts a keepalive probe: a signaled zero-length RDMA WRITE (no data,
+    /// no immediate: it consumes no receive WR at the peer, and IBTA C9-88
+    /// lets a zero-length operation carry no valid key). A peer that is
+    /// gone never acknowledges it, so it completes with RETRY_EXC_ERR after
+    /// the retry bound.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] with the errno if posting fails.
+    pub(crate) fn post_probe(&mut self) -> Result<()> {
+        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = PROBE_WR_ID;
+        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: valid QP; one initialised WR without SGEs (no memory).
+        let ret = unsafe { ibv_post_send(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
+        if ret != 0 {
+            return Err(Error::Verbs {
+                op: "ibv_post_send (keepalive probe)",
+                source: io::Error::from_raw_os_error(ret),
+            });
+        }
+        Ok(())
     }
 
     /// Moves the QP to the error state: outstanding WRs complete with

@@ -1,0 +1,351 @@
+//! Two hosts on a wire: the same test binary runs in both guests of
+//! `integration/softroce pair` (`SOFTROCE_ROLE` a = 10.12.0.1, the
+//! server side; b = 10.12.0.2, the client side that asserts), tests in the
+//! same order (`--test-threads=1`, alphabetical). Each test's server part
+//! ends when its client is done. The peer-crash test comes last (`z_`): it
+//! has guest a killed.
+//!
+//! Compiled only with `--cfg tokio_rdma_guest` (`scripts/test` sets it); run
+//! outside the pair set-up, every test fails (no role), never skips.
+#![cfg(tokio_rdma_guest)]
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rdma::{
+    MessageConfig, MessageEndpoint, MessageListener, RdmaConfig, RdmaListener, RdmaStream,
+};
+
+#[path = "../examples/shared/pattern.rs"]
+#[allow(dead_code)]
+mod shared;
+
+const A: &str = "10.12.0.1";
+
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+enum Role {
+    Server,
+    Client,
+}
+
+fn role() -> Role {
+    match std::env::var("SOFTROCE_ROLE").as_deref() {
+        Ok("a") => Role::Server,
+        Ok("b") => Role::Client,
+        other => panic!("run by integration/softroce pair (SOFTROCE_ROLE a|b), got {other:?}"),
+    }
+}
+
+fn at(port: u16) -> SocketAddr {
+    format!("{A}:{port}").parse().unwrap()
+}
+
+fn pattern_buf(seed: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| shared::pattern_byte(seed, i))
+        .collect()
+}
+
+/// Connects to the server guest, retrying while it is not listening yet.
+async fn connect(port: u16, cfg: &RdmaConfig) -> RdmaStream {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match RdmaStream::connect_with(at(port), cfg).await {
+            Ok(s) => return s,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("connect to {}: {e}", at(port)),
+        }
+    }
+}
+
+async fn echo(mut s: RdmaStream) -> io::Result<u64> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut total = 0;
+    loop {
+        let n = s.read(&mut buf).await?;
+        if n == 0 {
+            s.shutdown().await?;
+            return Ok(total);
+        }
+        s.write_all(&buf[..n]).await?;
+        total += n as u64;
+    }
+}
+
+/// Writes `len` pattern bytes and half-closes while reading the echo back;
+/// returns what came back.
+async fn echo_client(s: RdmaStream, seed: u64, len: usize) -> Vec<u8> {
+    let (mut rd, mut wr) = s.into_split();
+    let data = pattern_buf(seed, len);
+    let expect = data.clone();
+    let writer = tokio::spawn(async move {
+        for chunk in data.chunks(64 * 1024) {
+            wr.write_all(chunk).await.unwrap();
+        }
+        wr.shutdown().await.unwrap();
+    });
+    let mut back = Vec::with_capacity(len);
+    rd.read_to_end(&mut back).await.unwrap();
+    writer.await.unwrap();
+    assert_eq!(back.len(), expect.len());
+    assert!(back == expect, "echo of {len} bytes across the wire");
+    back
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_echo_across_the_wire() {
+    const PORT: u16 = 7801;
+    let sizes = [1usize, 4097, 1 << 20, 64 << 20];
+    match role() {
+        Role::Server => {
+            let l = RdmaListener::bind(at(PORT)).await.unwrap();
+            for &len in &sizes {
+                let (s, _) = l.accept().await.unwrap();
+                assert_eq!(echo(s).await.unwrap(), len as u64);
+            }
+            // 64 concurrent connections.
+            let mut tasks = Vec::new();
+            for _ in 0..64 {
+                let (s, _) = l.accept().await.unwrap();
+                tasks.push(tokio::spawn(echo(s)));
+            }
+            for t in tasks {
+                assert_eq!(t.await.unwrap().unwrap(), 65536);
+            }
+        }
+        Role::Client => {
+            let cfg = RdmaConfig::default();
+            for (i, &len) in sizes.iter().enumerate() {
+                echo_client(connect(PORT, &cfg).await, i as u64, len).await;
+            }
+            let mut tasks = Vec::new();
+            for c in 0..64u64 {
+                let s = connect(PORT, &cfg).await;
+                tasks.push(tokio::spawn(echo_client(s, 100 + c, 65536)));
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b_messages_across_the_wire() {
+    const PORT: u16 = 7802;
+    let sizes = [0usize, 64, 4096, 4097, 64 << 20];
+    match role() {
+        Role::Server => {
+            let l = MessageListener::bind(at(PORT)).await.unwrap();
+            let (ep, _) = l.accept().await.unwrap();
+            while let Some(m) = ep.recv().await.unwrap() {
+                ep.send(m).await.unwrap();
+            }
+            ep.close().await.unwrap();
+        }
+        Role::Client => {
+            let deadline = Instant::now() + Duration::from_secs(120);
+            let ep = loop {
+                match MessageEndpoint::connect_with(at(PORT), &MessageConfig::new()).await {
+                    Ok(ep) => break ep,
+                    Err(_) if Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(200)).await
+                    }
+                    Err(e) => panic!("connect: {e}"),
+                }
+            };
+            for (i, &len) in sizes.iter().enumerate() {
+                let data = pattern_buf(i as u64, len);
+                ep.send_copy(&data).await.unwrap();
+                let back = ep.recv().await.unwrap().expect("the echo");
+                assert_eq!(back.len(), len);
+                assert_eq!(
+                    crc32fast::hash(&back),
+                    crc32fast::hash(&data),
+                    "message of {len} bytes"
+                );
+            }
+            ep.close().await.unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c_auto_falls_back_to_a_tcp_only_server() {
+    const PORT: u16 = 7803;
+    match role() {
+        Role::Server => {
+            let l = tokio::net::TcpListener::bind(at(PORT)).await.unwrap();
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut buf = [0u8; 5];
+            s.read_exact(&mut buf).await.unwrap();
+            s.write_all(&buf).await.unwrap();
+        }
+        Role::Client => {
+            let addr = format!("auto://{A}:{PORT}");
+            let deadline = Instant::now() + Duration::from_secs(120);
+            let mut s = loop {
+                match tokio_rdma::transport::Stream::connect(addr.as_str()).await {
+                    Ok(s) => break s,
+                    Err(_) if Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(200)).await
+                    }
+                    Err(e) => panic!("{addr}: {e}"),
+                }
+            };
+            assert_eq!(s.transport(), tokio_rdma::transport::Transport::Tcp);
+            s.write_all(b"hello").await.unwrap();
+            let mut back = [0u8; 5];
+            s.read_exact(&mut back).await.unwrap();
+            assert_eq!(&back, b"hello");
+        }
+    }
+}
+
+fn netem(args: &str) {
+    let nic = std::env::var("SOFTROCE_NIC").expect("SOFTROCE_NIC");
+    let cmd = format!("tc qdisc {args}");
+    let st = std::process::Command::new("sh")
+        .args(["-c", &cmd.replace("DEV", &nic)])
+        .status()
+        .unwrap();
+    assert!(st.success(), "{cmd}");
+}
+
+/// 1 % loss and 5 ms delay on the client's NIC: a 16 MiB echo and a 16 MiB
+/// message arrive intact (rxe retransmits; perftest's ACK timeout keeps
+/// each loss cheap).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn d_loss_and_delay_lose_nothing() {
+    const PORT: u16 = 7804;
+    match role() {
+        Role::Server => {
+            let l = RdmaListener::bind(at(PORT)).await.unwrap();
+            let (s, _) = l.accept().await.unwrap();
+            assert_eq!(echo(s).await.unwrap(), 16 << 20);
+            let ml = MessageListener::bind(at(PORT + 1)).await.unwrap();
+            let (ep, _) = ml.accept().await.unwrap();
+            while let Some(m) = ep.recv().await.unwrap() {
+                ep.send(m).await.unwrap();
+            }
+        }
+        Role::Client => {
+            netem("add dev DEV root netem loss 1% delay 5ms");
+            echo_client(connect(PORT, &RdmaConfig::default()).await, 7, 16 << 20).await;
+            let deadline = Instant::now() + Duration::from_secs(120);
+            let ep = loop {
+                match MessageEndpoint::connect(at(PORT + 1)).await {
+                    Ok(ep) => break ep,
+                    Err(_) if Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(200)).await
+                    }
+                    Err(e) => panic!("connect: {e}"),
+                }
+            };
+            let data = pattern_buf(8, 16 << 20);
+            ep.send_copy(&data).await.unwrap();
+            let back = ep.recv().await.unwrap().expect("the echo");
+            assert_eq!(crc32fast::hash(&back), crc32fast::hash(&data));
+            ep.close().await.unwrap();
+            netem("del dev DEV root");
+        }
+    }
+}
+
+/// The server host crashes while one connection is idle and another is in
+/// the middle of a transfer: on the idle one keepalive (2 s here) probes,
+/// the RC retries run out, and the blocked read returns `ConnectionReset`
+/// within keepalive + retry bound (asserted against 3x that, a liveness
+/// ceiling), never EOF; the writer of the busy one fails too, never a
+/// silent success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn z_peer_host_crash_while_idle_is_an_error() {
+    const PORT: u16 = 7899;
+    let keepalive = Duration::from_secs(2);
+    let cfg = RdmaConfig::new().keepalive(Some(keepalive));
+    match role() {
+        Role::Server => {
+            let l = RdmaListener::bind_with(at(PORT), &cfg).await.unwrap();
+            let (_idle, _) = l.accept().await.unwrap();
+            let (mut busy, _) = l.accept().await.unwrap();
+            // Read (and drop) the busy connection's bytes until this host is
+            // killed.
+            let mut buf = vec![0u8; 64 * 1024];
+            while busy.read(&mut buf).await.unwrap() > 0 {}
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            panic!("guest a was not killed");
+        }
+        Role::Client => {
+            let mut s = connect(PORT, &cfg).await;
+            let mut busy = connect(PORT, &cfg).await;
+            let writer = tokio::spawn(async move {
+                let chunk = pattern_buf(9, 64 * 1024);
+                let mut sent = 0u64;
+                loop {
+                    if let Err(e) = busy.write_all(&chunk).await {
+                        return (e, sent);
+                    }
+                    sent += chunk.len() as u64;
+                }
+            });
+            // Idle first, longer than the keepalive: probes succeed.
+            tokio::time::sleep(keepalive * 2).await;
+            let reader = tokio::spawn(async move {
+                let mut one = [0u8; 1];
+                let r = s.read(&mut one).await;
+                (r, Instant::now())
+            });
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(!reader.is_finished(), "the probes kept the connection up");
+            let ctl = std::path::PathBuf::from(std::env::var("SOFTROCE_CTL").unwrap());
+            std::fs::write(ctl.join("kill-a"), b"").unwrap();
+            let asked = Instant::now();
+            for _ in 0..600 {
+                if ctl.join("done-kill-a").exists() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert!(
+                ctl.join("done-kill-a").exists(),
+                "the harness killed guest a"
+            );
+            let bound = keepalive + cfg.retry_bound();
+            let (r, when) = tokio::time::timeout(bound * 3 + Duration::from_secs(5), reader)
+                .await
+                .expect("the dead peer is detected")
+                .unwrap();
+            let err = r.expect_err("a vanished host is an error, never EOF");
+            assert_eq!(err.kind(), io::ErrorKind::ConnectionReset, "{err}");
+            assert!(
+                matches!(
+                    tokio_rdma::Error::from_io(&err),
+                    Some(tokio_rdma::Error::WorkCompletion { .. })
+                ),
+                "{err:?}"
+            );
+            eprintln!(
+                "peer crash detected {:?} after the kill request (bound {bound:?})",
+                when - asked
+            );
+            let (werr, sent) = tokio::time::timeout(bound * 3 + Duration::from_secs(5), writer)
+                .await
+                .expect("the writer of the busy connection fails")
+                .unwrap();
+            assert!(sent > 0, "the transfer was under way");
+            assert!(
+                matches!(
+                    werr.kind(),
+                    io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+                ),
+                "{werr}"
+            );
+            assert!(tokio_rdma::Error::from_io(&werr).is_some(), "{werr:?}");
+        }
+    }
+}
