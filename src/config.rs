@@ -311,7 +311,11 @@ impl RdmaConfig {
         Duration::from_nanos(per_try_ns.saturating_mul(u64::from(self.retry_count) + 1))
     }
 
-    /// Listen backlog passed to `rdma_listen` (default 128).
+    /// Listen backlog passed to `rdma_listen` (default 128): handshakes in
+    /// flight plus connections not yet accepted. Requests beyond it are
+    /// rejected (`ServerResources`), and a tokio-rdma client retries such a
+    /// reject with backoff until its connect timeout, so a burst above the
+    /// backlog still connects as the server accepts.
     pub fn backlog(mut self, backlog: i32) -> Self {
         self.backlog = backlog;
         self

@@ -465,9 +465,11 @@ async fn backlog_bounds_unaccepted_connections() {
     for _ in 0..2 {
         held.push(RdmaStream::connect(addr).await.unwrap());
     }
-    // Wait until both sit in the accept queue, then the third is rejected.
+    // Wait until both sit in the accept queue; a third connect retries the
+    // busy rejects for its whole connect timeout (1 s here), then refuses.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    match RdmaStream::connect(addr).await {
+    let short = RdmaConfig::new().connect_timeout(Duration::from_secs(1));
+    match RdmaStream::connect_with(addr, &short).await {
         Err(e) => {
             assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
             let inner = e.get_ref().and_then(|e| e.downcast_ref::<Error>());
@@ -490,6 +492,39 @@ async fn backlog_bounds_unaccepted_connections() {
     let (_s2, _) = l.accept().await.unwrap();
     let (_s3, _) = l.accept().await.unwrap();
     drop((held, third));
+}
+
+/// A burst well above the default backlog (128) connects, as TCP clients
+/// whose SYNs were dropped do: busy rejects are retried with backoff inside
+/// the connect timeout while the server accepts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_512_connects_above_the_backlog_all_connect() {
+    const N: usize = 512;
+    let cfg = RdmaConfig::new().connect_timeout(Duration::from_secs(120));
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        let mut accepted = Vec::with_capacity(N);
+        while accepted.len() < N {
+            accepted.push(l.accept().await.unwrap().0);
+        }
+        accepted
+    });
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..N {
+        let cfg = cfg.clone();
+        tasks.spawn(async move { RdmaStream::connect_with(addr, &cfg).await });
+    }
+    let mut connected = Vec::with_capacity(N);
+    while let Some(r) = tasks.join_next().await {
+        connected.push(r.unwrap().expect("every connect of the burst succeeds"));
+    }
+    assert_eq!(connected.len(), N);
+    let accepted = tokio::time::timeout(Duration::from_secs(120), server)
+        .await
+        .expect("the server accepts them all")
+        .unwrap();
+    assert_eq!(accepted.len(), N);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

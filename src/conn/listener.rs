@@ -28,6 +28,9 @@ pub(crate) struct Listener<S: Setup> {
     _listen_id: CmId,
 }
 
+/// The `rdma_listen` backlog: rdma_ucm's default `max_backlog`.
+const KERNEL_LISTEN_BACKLOG: i32 = 1024;
+
 /// An established connection waiting for `accept`, with its backlog slot.
 type Queued<T> = io::Result<(T, SocketAddr, Option<OwnedSemaphorePermit>)>;
 
@@ -52,7 +55,13 @@ impl<S: Setup> Listener<S> {
         let channel = EventChannel::new()?;
         let id = CmId::new(&channel)?;
         id.bind(addr)?;
-        id.listen(cfg.backlog)?;
+        // The kernel's queue of connect requests not yet read from the
+        // event channel is sized for bursts (rdma_ucm's own cap, its
+        // `max_backlog`, is 1024): a request dropped there would be refused
+        // without our reject reason, which clients cannot tell from "no
+        // listener". The configured backlog is enforced below, with a
+        // `ServerResources` reject that clients retry.
+        id.listen(KERNEL_LISTEN_BACKLOG.max(cfg.backlog))?;
         let local_addr = id.local_addr().unwrap_or(addr);
         // Handshakes in flight plus established connections not yet
         // accepted never exceed the backlog; requests beyond it are rejected

@@ -116,12 +116,52 @@ pub(crate) async fn connect_any<S: Setup, A: tokio::net::ToSocketAddrs>(
 }
 
 /// Connects to `addr` (bounded by the connect timeout).
+///
+/// A listener whose backlog is full answers `ServerResources`; like a TCP
+/// client whose SYN was dropped, the connect tries again (backoff from
+/// 10 ms, doubling up to 200 ms, with jitter) until the connect timeout, so
+/// a burst well above the backlog connects as the server accepts. Only a
+/// listener that stays full for the whole timeout refuses.
 pub(crate) async fn connect<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> {
-    let timeout = setup.rdma().connect_timeout;
-    match tokio::time::timeout(timeout, connect_inner(addr, setup)).await {
-        Ok(r) => r,
-        Err(_) => Err(Error::TimedOut { addr }),
+    let deadline = tokio::time::Instant::now() + setup.rdma().connect_timeout;
+    let mut backoff = BUSY_BACKOFF_START;
+    loop {
+        let attempt = tokio::time::timeout_at(deadline, connect_inner(addr, setup)).await;
+        match attempt {
+            Err(_) => return Err(Error::TimedOut { addr }),
+            Ok(Err(
+                e @ Error::HandshakeRejected {
+                    reason: RejectReason::ServerResources,
+                    ..
+                },
+            )) => {
+                let wait = jittered(backoff);
+                if tokio::time::Instant::now() + wait >= deadline {
+                    // Full for the whole connect timeout: refuse.
+                    return Err(e);
+                }
+                debug!(?backoff, "listener busy (backlog full); retrying");
+                tokio::time::sleep(wait).await;
+                backoff = (backoff * 2).min(BUSY_BACKOFF_MAX);
+            }
+            Ok(other) => return other,
+        }
     }
+}
+
+/// First and largest wait before retrying a connect a busy listener
+/// rejected.
+const BUSY_BACKOFF_START: std::time::Duration = std::time::Duration::from_millis(10);
+const BUSY_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// `d` scaled by a factor in [0.5, 1.5), so a burst of rejected clients
+/// does not retry in lockstep.
+fn jittered(d: std::time::Duration) -> std::time::Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(d.as_nanos() as u64);
+    let frac = (h.finish() % 1000) as u32; // 0..999
+    d / 2 + d * frac / 1000
 }
 
 async fn expect(

@@ -23,22 +23,39 @@ use rdma_mummy_sys::{
     ibv_send_wr, ibv_wr_opcode,
 };
 use sideway::ibverbs::AccessFlags;
-use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionChannel, CompletionQueue as _};
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue as _,
+    CreateCompletionChannelErrorKind, CreateCompletionQueueErrorKind,
+};
 use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
-use sideway::ibverbs::device_context::DeviceContext;
+use sideway::ibverbs::device_context::{AllocateProtectionDomainErrorKind, DeviceContext};
 use sideway::ibverbs::memory_region::{
     MemoryRegion, RegisterMemoryRegionError, RegisterMemoryRegionErrorKind,
 };
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    BasicQueuePair, PostSendGuard as _, QueuePair as _, SetInlineData as _,
-    SetScatterGatherEntry as _, WorkRequestFlags,
+    BasicQueuePair, CreateQueuePairErrorKind, PostSendGuard as _, QueuePair as _,
+    SetInlineData as _, SetScatterGatherEntry as _, WorkRequestFlags,
 };
 use tokio::io::unix::AsyncFd;
 
 use super::cm::CmId;
 use super::mw::{MemoryWindow, WindowAccess};
 use crate::error::{Error, Result};
+
+/// The errno of a failed verbs object creation (sideway wraps libibverbs'
+/// `io::Error` in a kind enum whose `Display` is transparent but whose
+/// source chain skips it), so `EMFILE` (out of file descriptors) or
+/// `ENOMEM` survive as such.
+macro_rules! errno_of {
+    ($e:expr, $kind:path) => {
+        match $e.0 {
+            $kind(io) => io,
+            #[allow(unreachable_patterns)]
+            other => io::Error::other(other),
+        }
+    };
+}
 
 /// An opened device with the protection domain every connection on it shares.
 pub(crate) struct OpenDevice {
@@ -80,7 +97,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
     })?;
     let pd = ctx.alloc_pd().map_err(|e| Error::Verbs {
         op: "ibv_alloc_pd",
-        source: io::Error::other(e),
+        source: errno_of!(e, AllocateProtectionDomainErrorKind::Ibverbs),
     })?;
     let max_mw = ctx
         .query_device()
@@ -477,7 +494,7 @@ impl RcQueuePair {
     pub(crate) fn new(device: Arc<OpenDevice>, sizes: RcSizes) -> Result<Self> {
         let chan = CompletionChannel::new(&device.ctx).map_err(|e| Error::Verbs {
             op: "ibv_create_comp_channel",
-            source: io::Error::other(e),
+            source: errno_of!(e, CreateCompletionChannelErrorKind::Ibverbs),
         })?;
         chan.set_nonblocking(true)
             .map_err(verbs("fcntl(O_NONBLOCK)"))?;
@@ -489,7 +506,7 @@ impl RcQueuePair {
             .build()
             .map_err(|e| Error::Verbs {
                 op: "ibv_create_cq",
-                source: io::Error::other(e),
+                source: errno_of!(e, CreateCompletionQueueErrorKind::Ibverbs),
             })?;
         let ring_isolation = if sizes.recv_ring == 0 {
             RingIsolation::NoRing
@@ -501,7 +518,7 @@ impl RcQueuePair {
         let pd = if ring_isolation == RingIsolation::OwnPd {
             device.ctx.alloc_pd().map_err(|e| Error::Verbs {
                 op: "ibv_alloc_pd",
-                source: io::Error::other(e),
+                source: errno_of!(e, AllocateProtectionDomainErrorKind::Ibverbs),
             })?
         } else {
             Arc::clone(&device.pd)
@@ -518,7 +535,7 @@ impl RcQueuePair {
             .build()
             .map_err(|e| Error::Verbs {
                 op: "ibv_create_qp",
-                source: io::Error::other(e),
+                source: errno_of!(e, CreateQueuePairErrorKind::Ibverbs),
             })?;
         let send_buf = RegisteredBuffer::new(&pd, sizes.send_buf, AccessFlags::LocalWrite)?;
         let ring_access = match ring_isolation {
