@@ -257,6 +257,98 @@ async fn d_loss_and_delay_lose_nothing() {
     }
 }
 
+/// A partition shorter than the retry bound heals without the application
+/// noticing: 100 % loss on the client's NIC for 200 ms in the middle of a
+/// 16 MiB echo, which completes byte for byte. (The partition is netem's
+/// total loss: the link stays up, as on a switch that drops everything.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_a_short_partition_heals() {
+    const PORT: u16 = 7805;
+    match role() {
+        Role::Server => {
+            let l = RdmaListener::bind(at(PORT)).await.unwrap();
+            let (s, _) = l.accept().await.unwrap();
+            assert_eq!(echo(s).await.unwrap(), 16 << 20);
+        }
+        Role::Client => {
+            let s = connect(PORT, &RdmaConfig::default()).await;
+            netem("add dev DEV root netem loss 0%");
+            let echo = tokio::spawn(echo_client(s, 10, 16 << 20));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            netem("change dev DEV root netem loss 100%");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            netem("change dev DEV root netem loss 0%");
+            tokio::time::timeout(Duration::from_secs(120), echo)
+                .await
+                .expect("the echo completes after the partition")
+                .unwrap();
+            netem("del dev DEV root");
+        }
+    }
+}
+
+/// A partition longer than the retry bound fails the connection cleanly on
+/// both sides: the client's writer (traffic in flight) within the retry
+/// bound, the server's idle reader by its keepalive probe (1 s); each gets
+/// `ConnectionReset`, never EOF and never a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f_a_long_partition_fails_both_sides() {
+    const PORT: u16 = 7806;
+    let cfg = RdmaConfig::new().keepalive(Some(Duration::from_secs(1)));
+    let ceiling = (Duration::from_secs(1) + cfg.retry_bound()) * 3 + Duration::from_secs(10);
+    match role() {
+        Role::Server => {
+            let l = RdmaListener::bind_with(at(PORT), &cfg).await.unwrap();
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut buf = vec![0u8; 64 * 1024];
+            let err = tokio::time::timeout(ceiling + Duration::from_secs(30), async {
+                loop {
+                    match s.read(&mut buf).await {
+                        Ok(0) => panic!("EOF instead of an error"),
+                        Ok(_) => {}
+                        Err(e) => break e,
+                    }
+                }
+            })
+            .await
+            .expect("the server side notices the partition");
+            assert_eq!(err.kind(), io::ErrorKind::ConnectionReset, "{err}");
+        }
+        Role::Client => {
+            let mut s = connect(PORT, &cfg).await;
+            netem("add dev DEV root netem loss 0%");
+            let chunk = pattern_buf(11, 64 * 1024);
+            for _ in 0..16 {
+                s.write_all(&chunk).await.unwrap();
+            }
+            netem("change dev DEV root netem loss 100%");
+            let err = tokio::time::timeout(ceiling, async {
+                loop {
+                    if let Err(e) = s.write_all(&chunk).await {
+                        break e;
+                    }
+                }
+            })
+            .await
+            .expect("the writer fails within the bound");
+            assert!(
+                matches!(
+                    err.kind(),
+                    io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+                ),
+                "{err}"
+            );
+            // Keep the wire cut until the server's keepalive has had time to
+            // fail too, then heal it for the tests after this one.
+            tokio::time::sleep(
+                Duration::from_secs(1) + cfg.retry_bound() * 2 + Duration::from_secs(2),
+            )
+            .await;
+            netem("del dev DEV root");
+        }
+    }
+}
+
 /// The server host crashes while one connection is idle and another is in
 /// the middle of a transfer: on the idle one keepalive (2 s here) probes,
 /// the RC retries run out, and the blocked read returns `ConnectionReset`
