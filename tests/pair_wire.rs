@@ -22,6 +22,9 @@ use tokio_rdma::{
 #[allow(dead_code)]
 mod shared;
 
+#[path = "transport_suite/greeter.rs"]
+mod greeter;
+
 const A: &str = "10.12.0.1";
 
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
@@ -347,6 +350,169 @@ async fn f_a_long_partition_fails_both_sides() {
             netem("del dev DEV root");
         }
     }
+}
+
+/// Waits (up to 5 minutes) for the other guest to drop `name` in the
+/// shared control folder.
+async fn wait_flag(name: &str) {
+    let ctl = std::path::PathBuf::from(std::env::var("SOFTROCE_CTL").unwrap());
+    for _ in 0..3000 {
+        if ctl.join(name).exists() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the other guest never set {name}");
+}
+
+fn set_flag(name: &str) {
+    let ctl = std::path::PathBuf::from(std::env::var("SOFTROCE_CTL").unwrap());
+    std::fs::write(ctl.join(name), b"").unwrap();
+}
+
+/// hyper's HTTP/1.1 server on a transport `Listener` (`rdma://`) in guest
+/// a, hyper_util's pooled client with the crate's `Connector` in guest b:
+/// 50 POST echoes of 0..64 KiB, bytes equal, over RDMA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g_hyper_across_the_wire() {
+    use http_body_util::{BodyExt, Full};
+    use hyper::body::Bytes;
+    use tokio_rdma::transport::{Connector, Listener, Transport};
+    const PORT: u16 = 7807;
+    match role() {
+        Role::Server => {
+            let l = Listener::bind(format!("rdma://{A}:{PORT}")).await.unwrap();
+            // hyper_util's HTTP/1.1 pool may open more than one connection:
+            // serve each until the client says it is done.
+            let done = wait_flag("hyper-done");
+            tokio::pin!(done);
+            loop {
+                tokio::select! {
+                    r = l.accept() => {
+                        let (stream, _) = r.unwrap();
+                        assert_eq!(stream.transport(), Transport::Rdma);
+                        let svc = hyper::service::service_fn(
+                            |req: hyper::Request<hyper::body::Incoming>| async move {
+                                let body = req.into_body().collect().await?.to_bytes();
+                                Ok::<_, hyper::Error>(hyper::Response::new(Full::new(body)))
+                            },
+                        );
+                        tokio::spawn(
+                            hyper::server::conn::http1::Builder::new()
+                                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc),
+                        );
+                    }
+                    _ = &mut done => break,
+                }
+            }
+        }
+        Role::Client => {
+            let client =
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                    .build::<_, Full<Bytes>>(Connector::new(Transport::Rdma));
+            let uri: hyper::Uri = format!("http://{A}:{PORT}/echo").parse().unwrap();
+            for i in 0..50usize {
+                let body = Bytes::from(pattern_buf(i as u64, (i * 1311) % 65536));
+                let deadline = Instant::now() + Duration::from_secs(120);
+                let resp = loop {
+                    let req = hyper::Request::post(uri.clone())
+                        .body(Full::new(body.clone()))
+                        .unwrap();
+                    match client.request(req).await {
+                        Ok(r) => break r,
+                        Err(e) if i == 0 && Instant::now() < deadline => {
+                            let _ = e;
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        Err(e) => panic!("request {i}: {e}"),
+                    }
+                };
+                assert_eq!(resp.status(), 200);
+                let got = resp.into_body().collect().await.unwrap().to_bytes();
+                assert!(got == body, "echo {i}");
+            }
+            set_flag("hyper-done");
+        }
+    }
+}
+
+/// tonic's server on `Listener::into_incoming` in guest a, a channel
+/// through `transport::channel` in guest b: unary, server streaming and
+/// bidirectional streaming across the wire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h_tonic_across_the_wire() {
+    use futures::StreamExt;
+    use tokio_rdma::transport::{Listener, TransportAddr};
+    const PORT: u16 = 7808;
+    match role() {
+        Role::Server => {
+            let l = Listener::bind(format!("rdma://{A}:{PORT}")).await.unwrap();
+            tonic::transport::Server::builder()
+                .add_service(greeter::GreeterServer)
+                .serve_with_incoming_shutdown(l.into_incoming(), wait_flag("tonic-done"))
+                .await
+                .unwrap();
+        }
+        Role::Client => {
+            let addr: TransportAddr = format!("rdma://{A}:{PORT}").parse().unwrap();
+            let deadline = Instant::now() + Duration::from_secs(120);
+            let mut client = loop {
+                match tokio_rdma::transport::channel(&addr, &RdmaConfig::default()).await {
+                    Ok(c) => break greeter::GreeterClient::new(c),
+                    Err(_) if Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(200)).await
+                    }
+                    Err(e) => panic!("channel: {e}"),
+                }
+            };
+            let hello = client.say_hello("wire").await.unwrap();
+            assert!(
+                hello.starts_with("Hello, wire over rdma from 10.12.0.2"),
+                "{hello}"
+            );
+            let counted: Vec<_> = client
+                .count(20)
+                .await
+                .unwrap()
+                .map(|m| m.unwrap())
+                .collect()
+                .await;
+            assert_eq!(counted.len(), 20);
+            let sent: Vec<bytes::Bytes> = (0..20u64)
+                .map(|i| bytes::Bytes::from(pattern_buf(i, (i as usize * 3001) % 60000)))
+                .collect();
+            let echoed: Vec<bytes::Bytes> = client
+                .echo(futures::stream::iter(sent.clone()))
+                .await
+                .unwrap()
+                .map(|m| m.unwrap())
+                .collect()
+                .await;
+            assert_eq!(echoed, sent);
+            set_flag("tonic-done");
+        }
+    }
+}
+
+/// Connecting to an address no host answers (10.12.0.99: no ARP reply) is a
+/// typed error within the connect timeout, naming the address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn i_a_host_that_does_not_exist_is_a_typed_error() {
+    if role() == Role::Server {
+        return;
+    }
+    let cfg = RdmaConfig::new().connect_timeout(Duration::from_secs(20));
+    let err = RdmaStream::connect_with("10.12.0.99:7809", &cfg)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            tokio_rdma::Error::from_io(&err),
+            Some(tokio_rdma::Error::Unreachable { .. } | tokio_rdma::Error::TimedOut { .. })
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("10.12.0.99"), "{err}");
 }
 
 /// The server host crashes while one connection is idle and another is in
