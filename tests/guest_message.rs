@@ -14,7 +14,7 @@ use tokio_rdma::pool::{ExhaustedPolicy, MemoryPool, PoolConfig};
 use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, PoolBytes};
 
 mod common;
-use common::{example, signal};
+use common::{example, retry, signal};
 
 #[path = "../examples/shared/pattern.rs"]
 #[allow(dead_code)]
@@ -507,17 +507,7 @@ async fn receiver_killed_mid_rendezvous_is_an_error_and_leaks_nothing() {
         .unwrap();
     let pool = rxe_pool(256 * MIB, ExhaustedPolicy::Wait);
     let cfg = MessageConfig::new().pool(pool.clone());
-    let mut client = None;
-    for _ in 0..100 {
-        match MessageEndpoint::connect_with(addr.as_str(), &cfg).await {
-            Ok(c) => {
-                client = Some(c);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-    }
-    let client = client.expect("bulk_transfer server came up");
+    let client = retry(100, || MessageEndpoint::connect_with(addr.as_str(), &cfg)).await;
     let mut buf = pool.alloc_any(128 * MIB).await.unwrap();
     buf.set_len(128 * MIB);
     client.send(buf).await.unwrap();
@@ -585,17 +575,7 @@ async fn killed_peer_resolves_every_waiting_future_with_an_error() {
         .unwrap();
     let pool = rxe_pool(256 * MIB, ExhaustedPolicy::Wait);
     let cfg = MessageConfig::new().pool(pool.clone()).send_queue_limit(4);
-    let mut ep = None;
-    for _ in 0..100 {
-        match MessageEndpoint::connect_with(addr.as_str(), &cfg).await {
-            Ok(c) => {
-                ep = Some(c);
-                break;
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-    }
-    let ep = ep.expect("bulk_transfer server came up");
+    let ep = retry(100, || MessageEndpoint::connect_with(addr.as_str(), &cfg)).await;
     signal(&child, "STOP");
     // First an 8 MiB rendezvous the stopped peer never READs, so that no
     // flush can complete; then 64 send+flush futures (7 of 8 eager 4 KiB,

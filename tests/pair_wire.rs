@@ -25,6 +25,12 @@ mod shared;
 #[path = "transport_suite/greeter.rs"]
 mod greeter;
 
+mod common;
+use common::retry;
+
+/// Attempts (100 ms apart) while the server guest is not listening yet.
+const TRIES: u32 = 1200;
+
 const A: &str = "10.12.0.1";
 
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
@@ -53,17 +59,7 @@ fn pattern_buf(seed: u64, len: usize) -> Vec<u8> {
 
 /// Connects to the server guest, retrying while it is not listening yet.
 async fn connect(port: u16, cfg: &RdmaConfig) -> RdmaStream {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        match RdmaStream::connect_with(at(port), cfg).await {
-            Ok(s) => return s,
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => panic!("connect to {}: {e}", at(port)),
-        }
-    }
+    retry(TRIES, || RdmaStream::connect_with(at(port), cfg)).await
 }
 
 async fn echo(mut s: RdmaStream) -> io::Result<u64> {
@@ -152,16 +148,8 @@ async fn b_messages_across_the_wire() {
             ep.close().await.unwrap();
         }
         Role::Client => {
-            let deadline = Instant::now() + Duration::from_secs(120);
-            let ep = loop {
-                match MessageEndpoint::connect_with(at(PORT), &MessageConfig::new()).await {
-                    Ok(ep) => break ep,
-                    Err(_) if Instant::now() < deadline => {
-                        tokio::time::sleep(Duration::from_millis(200)).await
-                    }
-                    Err(e) => panic!("connect: {e}"),
-                }
-            };
+            let cfg = MessageConfig::new();
+            let ep = retry(TRIES, || MessageEndpoint::connect_with(at(PORT), &cfg)).await;
             for (i, &len) in sizes.iter().enumerate() {
                 let data = pattern_buf(i as u64, len);
                 ep.send_copy(&data).await.unwrap();
@@ -191,16 +179,10 @@ async fn c_auto_falls_back_to_a_tcp_only_server() {
         }
         Role::Client => {
             let addr = format!("auto://{A}:{PORT}");
-            let deadline = Instant::now() + Duration::from_secs(120);
-            let mut s = loop {
-                match tokio_rdma::transport::Stream::connect(addr.as_str()).await {
-                    Ok(s) => break s,
-                    Err(_) if Instant::now() < deadline => {
-                        tokio::time::sleep(Duration::from_millis(200)).await
-                    }
-                    Err(e) => panic!("{addr}: {e}"),
-                }
-            };
+            let mut s = retry(TRIES, || {
+                tokio_rdma::transport::Stream::connect(addr.as_str())
+            })
+            .await;
             assert_eq!(s.transport(), tokio_rdma::transport::Transport::Tcp);
             s.write_all(b"hello").await.unwrap();
             let mut back = [0u8; 5];
@@ -240,16 +222,7 @@ async fn d_loss_and_delay_lose_nothing() {
         Role::Client => {
             netem("add dev DEV root netem loss 1% delay 5ms");
             echo_client(connect(PORT, &RdmaConfig::default()).await, 7, 16 << 20).await;
-            let deadline = Instant::now() + Duration::from_secs(120);
-            let ep = loop {
-                match MessageEndpoint::connect(at(PORT + 1)).await {
-                    Ok(ep) => break ep,
-                    Err(_) if Instant::now() < deadline => {
-                        tokio::time::sleep(Duration::from_millis(200)).await
-                    }
-                    Err(e) => panic!("connect: {e}"),
-                }
-            };
+            let ep = retry(TRIES, || MessageEndpoint::connect(at(PORT + 1))).await;
             let data = pattern_buf(8, 16 << 20);
             ep.send_copy(&data).await.unwrap();
             let back = ep.recv().await.unwrap().expect("the echo");
@@ -455,16 +428,9 @@ async fn h_tonic_across_the_wire() {
         }
         Role::Client => {
             let addr: TransportAddr = format!("rdma://{A}:{PORT}").parse().unwrap();
-            let deadline = Instant::now() + Duration::from_secs(120);
-            let mut client = loop {
-                match tokio_rdma::transport::channel(&addr, &RdmaConfig::default()).await {
-                    Ok(c) => break greeter::GreeterClient::new(c),
-                    Err(_) if Instant::now() < deadline => {
-                        tokio::time::sleep(Duration::from_millis(200)).await
-                    }
-                    Err(e) => panic!("channel: {e}"),
-                }
-            };
+            let cfg = RdmaConfig::default();
+            let channel = retry(TRIES, || tokio_rdma::transport::channel(&addr, &cfg)).await;
+            let mut client = greeter::GreeterClient::new(channel);
             let hello = client.say_hello("wire").await.unwrap();
             assert!(
                 hello.starts_with("Hello, wire over rdma from 10.12.0.2"),

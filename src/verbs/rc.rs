@@ -651,6 +651,41 @@ impl RcQueuePair {
         }
     }
 
+    /// A zeroed send WR with its id, opcode and (un)signaled flag set.
+    fn raw_send_wr(wr_id: u64, opcode: u32, signaled: bool) -> ibv_send_wr {
+        // SAFETY: ibv_send_wr is plain data (pointers, integers, unions of
+        // them); all-zero is a valid value that callers complete.
+        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        wr.opcode = opcode;
+        wr.send_flags = if signaled {
+            ibv_send_flags::IBV_SEND_SIGNALED.0
+        } else {
+            0
+        };
+        wr
+    }
+
+    /// Posts one WR the verbs layer built itself (`ibv_post_send`); `op`
+    /// names it in the error.
+    ///
+    /// # Safety
+    /// Any memory `wr` names (an MR under a bind) must stay valid as the
+    /// caller of the posting method guarantees.
+    unsafe fn post_raw(&mut self, wr: &mut ibv_send_wr, op: &'static str) -> Result<()> {
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: valid QP; `wr` is one fully initialised WR (no `next`)
+        // that lives across the call; its memory is the caller's promise.
+        let ret = unsafe { ibv_post_send(self.qp.qp().as_ptr(), wr, &mut bad) };
+        if ret != 0 {
+            return Err(Error::Verbs {
+                op,
+                source: io::Error::from_raw_os_error(ret),
+            });
+        }
+        Ok(())
+    }
+
     /// Posts a BIND_MW work request: `window` grants `access` over
     /// `target` (`len` bytes at `addr` of the memory region `mr`), through
     /// this QP only.
@@ -678,16 +713,7 @@ impl RcQueuePair {
             WindowAccess::RemoteRead => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
             WindowAccess::RemoteWrite => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
         };
-        // SAFETY: ibv_send_wr is plain data (pointers, integers, unions of
-        // them); all-zero is a valid value that the fields below complete.
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = wr_id;
-        wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
-        wr.send_flags = if signaled {
-            ibv_send_flags::IBV_SEND_SIGNALED.0
-        } else {
-            0
-        };
+        let mut wr = Self::raw_send_wr(wr_id, ibv_wr_opcode::IBV_WR_BIND_MW, signaled);
         wr.bind_mw_tso_union.bind_mw = bind_mw_t {
             mw: raw_mw,
             rkey: new_rkey,
@@ -698,16 +724,10 @@ impl RcQueuePair {
                 mw_access_flags: flags,
             },
         };
-        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: valid QP; `wr` is a single, fully initialised WR that
-        // lives across the call; the caller guarantees `mr` and its memory.
-        let ret = unsafe { ibv_post_send(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
-        if ret != 0 {
+        // SAFETY: the caller guarantees `mr` and its memory.
+        if let Err(e) = unsafe { self.post_raw(&mut wr, "ibv_post_send (BIND_MW)") } {
             window.abort_bind(old);
-            return Err(Error::Verbs {
-                op: "ibv_post_send (BIND_MW)",
-                source: io::Error::from_raw_os_error(ret),
-            });
+            return Err(e);
         }
         window.bound();
         Ok(new_rkey)
@@ -719,26 +739,10 @@ impl RcQueuePair {
     /// # Errors
     /// [`Error::Verbs`] with the errno if posting fails.
     pub(crate) fn post_local_inv(&mut self, wr_id: u64, rkey: u32, signaled: bool) -> Result<()> {
-        // SAFETY: plain data, see post_bind_mw.
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = wr_id;
-        wr.opcode = ibv_wr_opcode::IBV_WR_LOCAL_INV;
-        wr.send_flags = if signaled {
-            ibv_send_flags::IBV_SEND_SIGNALED.0
-        } else {
-            0
-        };
+        let mut wr = Self::raw_send_wr(wr_id, ibv_wr_opcode::IBV_WR_LOCAL_INV, signaled);
         wr.imm_data_invalidated_rkey_union.invalidated_rkey = rkey;
-        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: valid QP; a single initialised WR with no memory of ours.
-        let ret = unsafe { ibv_post_send(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
-        if ret != 0 {
-            return Err(Error::Verbs {
-                op: "ibv_post_send (LOCAL_INV)",
-                source: io::Error::from_raw_os_error(ret),
-            });
-        }
-        Ok(())
+        // SAFETY: the WR names no memory of ours.
+        unsafe { self.post_raw(&mut wr, "ibv_post_send (LOCAL_INV)") }
     }
 
     /// QP number, for the rdma_cm connect/accept parameters.
@@ -814,21 +818,9 @@ impl RcQueuePair {
     /// # Errors
     /// [`Error::Verbs`] with the errno if posting fails.
     pub(crate) fn post_probe(&mut self) -> Result<()> {
-        // SAFETY: ibv_send_wr is plain data; zero is a valid start.
-        let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = PROBE_WR_ID;
-        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: valid QP; one initialised WR without SGEs (no memory).
-        let ret = unsafe { ibv_post_send(self.qp.qp().as_ptr(), &mut wr, &mut bad) };
-        if ret != 0 {
-            return Err(Error::Verbs {
-                op: "ibv_post_send (keepalive probe)",
-                source: io::Error::from_raw_os_error(ret),
-            });
-        }
-        Ok(())
+        let mut wr = Self::raw_send_wr(PROBE_WR_ID, ibv_wr_opcode::IBV_WR_RDMA_WRITE, true);
+        // SAFETY: no SGEs: the WR names no memory.
+        unsafe { self.post_raw(&mut wr, "ibv_post_send (keepalive probe)") }
     }
 
     /// Moves the QP to the error state: outstanding WRs complete with

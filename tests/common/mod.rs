@@ -30,3 +30,23 @@ pub fn signal(child: &tokio::process::Child, sig: &str) {
         .unwrap();
     assert!(st.success(), "kill -{sig} {pid}");
 }
+
+/// Retries `attempt` every 100 ms until it succeeds or `tries` attempts
+/// failed (a peer process or guest that is still starting); panics with the
+/// last error then.
+pub async fn retry<T, E, F, Fut>(tries: u32, mut attempt: F) -> T
+where
+    E: std::fmt::Debug,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut last = None;
+    for _ in 0..tries {
+        match attempt().await {
+            Ok(v) => return v,
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("the peer did not come up: {last:?}");
+}
