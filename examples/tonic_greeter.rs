@@ -18,7 +18,6 @@ mod greeter;
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use futures::StreamExt;
-use tokio_rdma::RdmaConfig;
 use tokio_rdma::transport::{Listener, TransportAddr};
 
 use greeter::{GreeterClient, GreeterServer};
@@ -70,7 +69,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .await?;
         }
         Cmd::Client { addr, name, count } => {
-            let channel = tokio_rdma::transport::channel(&addr, &RdmaConfig::default()).await?;
+            let channel = tokio_rdma::transport::channel(&addr).await?;
             let mut client = GreeterClient::new(channel);
             println!("{}", client.say_hello(&name).await?);
 

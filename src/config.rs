@@ -73,7 +73,7 @@ impl RdmaConfig {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] naming the first setter out of range.
-    pub fn validate(&self) -> Result<()> {
+    pub fn validate(&self) -> Result<(), Error> {
         if !(1..=31).contains(&self.ack_timeout) {
             return Err(Error::InvalidConfig {
                 field: "ack_timeout",

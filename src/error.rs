@@ -10,7 +10,15 @@ pub use crate::proto::ProtocolError;
 pub use crate::proto::handshake::{HandshakeError, RejectReason};
 pub use crate::proto::message::MessageError;
 
-/// Result alias used throughout the crate.
+/// `std::result::Result` with this crate's [`Error`] as the default error
+/// type, for code that calls the crate's non-I/O functions.
+///
+/// Which error a public function returns, spelled out in every signature:
+/// the stream, listener and message APIs (what tokio code awaits) return
+/// `std::io::Result` whose payload is an [`Error`] ([`Error::from_io`]);
+/// device queries and config checks ([`crate::verbs::devices`],
+/// [`crate::RdmaConfig::validate`]) return `Result<T, Error>`; the pool
+/// returns `Result<T, PoolError>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in tokio-rdma.

@@ -429,7 +429,7 @@ async fn h_tonic_across_the_wire() {
         Role::Client => {
             let addr: TransportAddr = format!("rdma://{A}:{PORT}").parse().unwrap();
             let cfg = RdmaConfig::default();
-            let channel = retry(TRIES, || tokio_rdma::transport::channel(&addr, &cfg)).await;
+            let channel = retry(TRIES, || tokio_rdma::transport::channel_with(&addr, &cfg)).await;
             let mut client = greeter::GreeterClient::new(channel);
             let hello = client.say_hello("wire").await.unwrap();
             assert!(

@@ -202,3 +202,69 @@ async fn accept_is_cancel_safe() {
     }
     assert_eq!(accepted, 20);
 }
+
+/// A port on 127.0.0.1 where nothing listens (bound, then closed).
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// TCP errors of the switch name the operation and the address, keep the
+/// OS error's kind, and carry the OS error as the payload's source.
+#[tokio::test]
+async fn tcp_errors_name_the_operation_and_address() {
+    let port = closed_port();
+    let err = Stream::connect(format!("tcp://127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "connect tcp://127.0.0.1:{port}: {}",
+            io::Error::from_raw_os_error(libc::ECONNREFUSED)
+        )
+    );
+    let os = std::error::Error::source(err.get_ref().unwrap())
+        .and_then(|s| s.downcast_ref::<io::Error>())
+        .unwrap();
+    assert_eq!(os.raw_os_error(), Some(libc::ECONNREFUSED));
+
+    let taken = Listener::bind("tcp://127.0.0.1:0").await.unwrap();
+    let port = taken.local_addr().unwrap().port();
+    for scheme in ["tcp", "auto"] {
+        let err = Listener::bind(format!("{scheme}://127.0.0.1:{port}"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AddrInUse, "{scheme}: {err}");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "bind tcp://127.0.0.1:{port}: {}",
+                io::Error::from_raw_os_error(libc::EADDRINUSE)
+            ),
+            "{scheme}"
+        );
+    }
+}
+
+/// `transport::channel` takes a string; a refused first connection is an
+/// `io::Error` of kind `ConnectionRefused`, a bad address `InvalidInput`.
+#[tokio::test]
+async fn tonic_channel_errors_keep_the_connect_kind() {
+    let port = closed_port();
+    let err = tokio_rdma::transport::channel(format!("tcp://127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    let err = tokio_rdma::transport::channel("tcp://127.0.0.1")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+    assert!(
+        err.get_ref()
+            .and_then(|e| e.downcast_ref::<AddrParseError>())
+            .is_some(),
+        "{err:?}"
+    );
+}

@@ -208,7 +208,7 @@ impl MessageConfig {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] naming the first value out of range.
-    pub fn validate(&self) -> Result<()> {
+    pub fn validate(&self) -> Result<(), Error> {
         self.rdma.validate()?;
         if self.eager_buf_len < RTS_HEADER_LEN as u32 {
             return Err(Error::InvalidConfig {

@@ -3,14 +3,14 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use http::Uri;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::TokioIo;
 
-use super::{Stream, Transport, TransportAddr};
+use super::{ConnectionInfo, Stream, Transport, TransportAddr};
 use crate::RdmaConfig;
 
 /// A `tower_service::Service<http::Uri>` that opens [`Stream`]s: the
@@ -26,7 +26,13 @@ use crate::RdmaConfig;
 ///
 /// The response is `TokioIo<Stream>`; its `connected()` carries a
 /// [`ConnectionInfo`](super::ConnectionInfo) in `Connected::extra`, which the
-/// client puts into each response's extensions.
+/// client puts into each response's extensions. Clients that do not
+/// (tonic's `Channel`) can ask the connector:
+/// [`last_connection`](Self::last_connection).
+///
+/// Arguments: constructors that keep a config take it by value
+/// ([`with_config`](Self::with_config)); functions that use one for a
+/// single call borrow it (`Stream::connect_with(addr, &config)`).
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -47,6 +53,8 @@ pub struct Connector {
     transport: Transport,
     config: Arc<RdmaConfig>,
     nodelay: bool,
+    /// Shared by clones: hyper and tonic clone the connector they are given.
+    last: Arc<Mutex<Option<ConnectionInfo>>>,
 }
 
 impl Connector {
@@ -62,7 +70,17 @@ impl Connector {
             transport,
             config: Arc::new(config),
             nodelay: false,
+            last: Arc::default(),
         }
+    }
+
+    /// The [`ConnectionInfo`] of the newest connection this connector (or
+    /// any clone of it) opened, `None` before the first. A tonic `Channel`
+    /// holds one connection at a time (a reconnect opens a new one), so for
+    /// a connector given to `Endpoint::connect_with_connector` this is the
+    /// channel's transport and peer.
+    pub fn last_connection(&self) -> Option<ConnectionInfo> {
+        *self.last.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Sets `TCP_NODELAY` on every connection it opens (default `false`; a
@@ -123,11 +141,13 @@ impl tower_service::Service<Uri> for Connector {
         let target = self.target(&uri);
         let config = self.config.clone();
         let nodelay = self.nodelay;
+        let last = Arc::clone(&self.last);
         Box::pin(async move {
             let stream = Stream::connect_with(target?, &config).await?;
             if nodelay {
                 stream.set_nodelay(true)?;
             }
+            *last.lock().unwrap_or_else(|p| p.into_inner()) = Some(stream.connection_info_lossy());
             Ok(TokioIo::new(stream))
         })
     }

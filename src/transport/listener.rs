@@ -61,7 +61,8 @@ impl Listener {
     ///
     /// # Errors
     /// `InvalidInput` for a string that is not a transport address; the
-    /// errors of [`TcpListener::bind`] and [`RdmaListener::bind_with`]
+    /// errors of [`TcpListener::bind`] (kind kept, message naming `bind` and
+    /// the address, the OS error as the payload's `source()`) and [`RdmaListener::bind_with`]
     /// (`NotFound` without an RDMA device for `rdma://`, `AddrInUse`). An
     /// `auto://` listener only fails when TCP fails to bind, or when RDMA
     /// fails for a reason other than "no RDMA here" (for example the rdma_cm
@@ -72,7 +73,11 @@ impl Listener {
     ) -> io::Result<Listener> {
         let addr = addr.to_transport_addr()?;
         let inner = match addr.transport() {
-            Transport::Tcp => Inner::Tcp(TcpListener::bind(addr.host_port()).await?),
+            Transport::Tcp => Inner::Tcp(
+                TcpListener::bind(addr.host_port())
+                    .await
+                    .map_err(|e| super::tcp_error("bind", &addr, e))?,
+            ),
             Transport::Rdma => {
                 Inner::Rdma(RdmaListener::bind_with(addr.host_port(), config).await?)
             }
@@ -189,7 +194,9 @@ async fn bind_auto(addr: &TransportAddr, config: &RdmaConfig) -> io::Result<Inne
     };
     let mut last = None;
     for _ in 0..attempts {
-        let tcp = TcpListener::bind(addr.host_port()).await?;
+        let tcp = TcpListener::bind(addr.host_port())
+            .await
+            .map_err(|e| super::tcp_error("bind", addr, e))?;
         let port = tcp.local_addr()?.port();
         match RdmaListener::bind_with((addr.host(), port), config).await {
             Ok(rdma) => {

@@ -15,7 +15,7 @@
 //!   `ConnectInfo<ConnectionInfo>` gives handlers the peer and transport.
 //! - `tonic`: `Stream` implements tonic's server `Connected` (request
 //!   extension [`ConnectionInfo`]), [`Listener::into_incoming`] feeds
-//!   `serve_with_incoming`, and `Connector` (or `channel`) serves
+//!   `serve_with_incoming`, and `Connector` (or `channel`/`channel_with`) serves
 //!   `Endpoint::connect_with_connector`.
 //!
 //! ```no_run
@@ -59,7 +59,7 @@ pub use listener::{Incoming, Listener};
 pub use stream::Stream;
 #[cfg(feature = "tonic")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
-pub use tonic::channel;
+pub use tonic::{channel, channel_with};
 
 /// The addresses and transport of one connection: what hyper's
 /// `Connected::extra` (response extensions), axum's `ConnectInfo` and tonic's
@@ -115,6 +115,42 @@ fn fallback_cause(e: &io::Error) -> Option<&'static str> {
         }
         _ => None,
     }
+}
+
+/// A TCP error of the transport switch, with the operation and the
+/// address: `connect tcp://10.0.0.5:8080: Connection refused (os error
+/// 111)`. The `io::Error` around it keeps the OS error's kind; the OS error
+/// itself is this payload's `source()`.
+#[derive(Debug)]
+struct TcpContext {
+    op: &'static str,
+    addr: String,
+    source: io::Error,
+}
+
+impl std::fmt::Display for TcpContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}: {}", self.op, self.addr, self.source)
+    }
+}
+
+impl std::error::Error for TcpContext {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
+/// Wraps a TCP error of `op` (`"connect"`, `"bind"`) on `addr` so its
+/// message names both; the kind stays the OS error's.
+fn tcp_error(op: &'static str, addr: &TransportAddr, source: io::Error) -> io::Error {
+    io::Error::new(
+        source.kind(),
+        TcpContext {
+            op,
+            addr: addr.clone().with_transport(Transport::Tcp).to_string(),
+            source,
+        },
+    )
 }
 
 /// `auto://` connections that fell back to TCP in this process.

@@ -63,7 +63,10 @@ impl Stream {
     /// the error of the transport tried last: for `auto://`, any RDMA error
     /// not listed above (for example `TimedOut`, `InvalidData`) is returned
     /// without trying TCP; after a fallback, an error with TCP's kind whose
-    /// message names both attempts.
+    /// message names both attempts. A TCP error keeps the OS error's kind
+    /// and names the operation and address (`connect tcp://10.0.0.5:8080:
+    /// Connection refused (os error 111)`); the OS error (with its
+    /// `raw_os_error`) is the payload's `source()`.
     pub async fn connect_with(
         addr: impl ToTransportAddr,
         config: &RdmaConfig,
@@ -71,7 +74,11 @@ impl Stream {
         let addr = addr.to_transport_addr()?;
         let target = addr.host_port();
         match addr.transport() {
-            Transport::Tcp => Ok(Stream::Tcp(TcpStream::connect(target).await?)),
+            Transport::Tcp => Ok(Stream::Tcp(
+                TcpStream::connect(target)
+                    .await
+                    .map_err(|e| super::tcp_error("connect", &addr, e))?,
+            )),
             Transport::Rdma => Ok(Stream::Rdma(
                 RdmaStream::connect_with(target, config).await?,
             )),
@@ -181,7 +188,7 @@ async fn connect_auto(addr: &TransportAddr, config: &RdmaConfig) -> io::Result<S
                 // Name both attempts; the kind is TCP's.
                 Err(tcp) => Err(io::Error::new(
                     tcp.kind(),
-                    format!("{addr}: RDMA failed ({e}), then TCP failed: {tcp}"),
+                    format!("connect {addr}: RDMA failed ({e}), then TCP failed: {tcp}"),
                 )),
             }
         }

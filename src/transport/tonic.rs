@@ -1,9 +1,11 @@
 //! Feature `tonic`: the server's `Connected` for [`Stream`] and a client
 //! channel over any transport.
 
+use std::io;
+
 use tonic::transport::{Channel, Endpoint};
 
-use super::{ConnectionInfo, Connector, Stream, TransportAddr};
+use super::{ConnectionInfo, Connector, Stream, ToTransportAddr};
 use crate::RdmaConfig;
 
 /// Lets tonic serve [`Stream`]s (`Server::serve_with_incoming` with
@@ -19,25 +21,67 @@ impl tonic::transport::server::Connected for Stream {
 }
 
 /// Connects a tonic [`Channel`] to `addr` (`tcp://`, `rdma://` or
-/// `auto://host:port`) with `config` for RDMA: an `Endpoint` for
-/// `http://host:port` and [`Connector`] through
-/// `Endpoint::connect_with_connector`. Use those two directly to set other
-/// `Endpoint` options.
+/// `auto://host:port`, a string or a [`TransportAddr`](super::TransportAddr))
+/// with the default [`RdmaConfig`]. See [`channel_with`].
 ///
 /// # Errors
-/// tonic's transport error when the first connection fails (its source is
-/// the `io::Error` of [`Stream::connect_with`]).
-pub async fn channel(
-    addr: &TransportAddr,
-    config: &RdmaConfig,
-) -> Result<Channel, tonic::transport::Error> {
+/// As [`channel_with`].
+pub async fn channel(addr: impl ToTransportAddr) -> io::Result<Channel> {
+    channel_with(addr, &RdmaConfig::default()).await
+}
+
+/// Connects a tonic [`Channel`] to `addr`; RDMA connections use `config`.
+///
+/// It is an `Endpoint` for `http://host:port` connected through
+/// [`Connector`] (`Endpoint::connect_with_connector`). To set other
+/// `Endpoint` options, or to learn which transport the channel's
+/// connection runs on (tonic's client responses carry no connection
+/// information), use the two directly and ask the connector
+/// ([`Connector::last_connection`]):
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use tokio_rdma::transport::{Connector, Transport};
+///
+/// let connector = Connector::new(Transport::Auto);
+/// let channel = tonic::transport::Endpoint::from_static("http://10.11.0.1:50051")
+///     .connect_with_connector(connector.clone())
+///     .await?;
+/// let info = connector.last_connection().expect("connected");
+/// println!("channel to {} runs on {}", info.peer, info.transport);
+/// # drop(channel); Ok(()) }
+/// ```
+///
+/// # Errors
+/// `InvalidInput` for a string that is not a transport address (the
+/// source is an [`AddrParseError`](super::AddrParseError)). When the first
+/// connection fails, an `io::Error` with the connect error's kind (for
+/// example `ConnectionRefused`) whose payload is tonic's transport error;
+/// [`crate::Error::find`] reaches the RDMA error inside.
+pub async fn channel_with(addr: impl ToTransportAddr, config: &RdmaConfig) -> io::Result<Channel> {
+    let addr = addr.to_transport_addr()?;
     let host = if addr.host().contains(':') {
         format!("[{}]", addr.host())
     } else {
         addr.host().to_string()
     };
-    let endpoint = Endpoint::from_shared(format!("http://{host}:{}", addr.port()))?;
+    let endpoint = Endpoint::from_shared(format!("http://{host}:{}", addr.port()))
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     endpoint
         .connect_with_connector(Connector::with_config(addr.transport(), config.clone()))
         .await
+        .map_err(|e| io::Error::new(connect_error_kind(&e), e))
+}
+
+/// The kind of the first `io::Error` in `e`'s source chain (the
+/// connector's error), or `Other`.
+fn connect_error_kind(e: &tonic::transport::Error) -> io::ErrorKind {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<io::Error>() {
+            return io.kind();
+        }
+        cur = err.source();
+    }
+    io::ErrorKind::Other
 }

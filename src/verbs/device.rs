@@ -234,7 +234,7 @@ fn verbs_err(op: &'static str) -> impl FnOnce(Box<dyn std::error::Error + Send +
 /// - [`Error::LibraryUnavailable`] when libibverbs cannot be loaded;
 /// - [`Error::NoDevice`] when it loads but reports no device;
 /// - [`Error::Verbs`] when opening or querying a device fails.
-pub fn devices() -> Result<Vec<Device>> {
+pub fn devices() -> Result<Vec<Device>, Error> {
     let list = open_device_list()?;
     if list.is_empty() {
         return Err(Error::NoDevice);
@@ -317,7 +317,7 @@ pub fn devices() -> Result<Vec<Device>> {
 ///
 /// # Errors
 /// [`Error::NoDeviceForAddress`] when no active port has a GID for `ip`.
-pub fn select_from(devices: &[Device], ip: IpAddr) -> Result<DeviceAddress> {
+pub fn select_from(devices: &[Device], ip: IpAddr) -> Result<DeviceAddress, Error> {
     let ip = canonical(ip);
     let mut best: Option<(u8, DeviceAddress)> = None;
     for dev in devices {
@@ -362,7 +362,7 @@ fn canonical(ip: IpAddr) -> IpAddr {
 ///
 /// # Errors
 /// Those of [`devices`], and [`Error::NoDeviceForAddress`].
-pub fn select_device(ip: IpAddr) -> Result<DeviceAddress> {
+pub fn select_device(ip: IpAddr) -> Result<DeviceAddress, Error> {
     select_from(&devices()?, ip)
 }
 

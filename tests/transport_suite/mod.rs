@@ -410,9 +410,19 @@ pub async fn tonic_rpcs(base: &TransportAddr, messages: u32) {
             .add_service(GreeterServer)
             .serve_with_incoming(listener.into_incoming()),
     );
-    let channel = tokio_rdma::transport::channel(&addr, &RdmaConfig::default())
-        .await
-        .unwrap();
+    // The client side learns its transport from the connector it gave tonic.
+    let connector = Connector::new(addr.transport());
+    assert_eq!(connector.last_connection(), None);
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}:{}", addr.host(), addr.port()))
+            .unwrap()
+            .connect_with_connector(connector.clone())
+            .await
+            .unwrap();
+    let info = connector.last_connection().expect("the channel connected");
+    assert_eq!(info.transport, transport);
+    assert_eq!(info.peer.port(), addr.port());
+    assert_eq!(info.peer.ip(), host_ip(base));
     let mut client = GreeterClient::new(channel);
 
     // Unary: the server saw this transport and our IP.
@@ -450,7 +460,7 @@ pub async fn tonic_rpcs(base: &TransportAddr, messages: u32) {
 
     // A second client channel works alongside.
     let mut second = GreeterClient::new(
-        tokio_rdma::transport::channel(&addr, &RdmaConfig::default())
+        tokio_rdma::transport::channel_with(addr.to_string(), &RdmaConfig::default())
             .await
             .unwrap(),
     );
