@@ -45,6 +45,34 @@ pub enum Error {
     )]
     NoDevice,
 
+    /// A TCP connect or bind of the transport switch failed (`tcp://`, or
+    /// the TCP side of an `auto://` listener). Maps to the OS error's kind;
+    /// `source` is the OS error itself, with its errno
+    /// (`source.raw_os_error()`).
+    #[error("{op} {addr}: {source}")]
+    Tcp {
+        /// `"connect"` or `"bind"`.
+        op: &'static str,
+        /// The address as given, for example `tcp://10.0.0.5:8080`.
+        addr: String,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+
+    /// An `auto://` connect found no RDMA path (`rdma`: why), fell back to
+    /// TCP, and TCP failed too (`tcp`). Maps to TCP's kind.
+    #[error("connect {addr}: RDMA failed ({rdma}), then TCP failed: {tcp}")]
+    FallbackFailed {
+        /// The address as given, for example `auto://10.0.0.5:8080`.
+        addr: String,
+        /// Why RDMA was not used.
+        rdma: Box<Error>,
+        /// TCP's error (with its errno).
+        #[source]
+        tcp: io::Error,
+    },
+
     /// RDMA devices exist, but none of them has a port with a GID that maps
     /// the given local IP address. Maps to [`io::ErrorKind::AddrNotAvailable`].
     #[error("no RDMA device has a GID for local address {addr}")]
@@ -295,7 +323,7 @@ impl Error {
         NAMES.get(status as usize).copied().unwrap_or("unknown")
     }
 
-    /// The `tokio_rdma::Error` inside an `io::Error` returned by this crate,
+    /// The `tokio_rdma::Error` inside `e`, a `std::io::Error` returned by this crate,
     /// if it has one: `e.get_ref()` downcast (note that
     /// [`io::Error::source`](std::error::Error::source) skips it: std's
     /// `io::Error` reports the *inner* error's source, not the inner error).
@@ -310,6 +338,15 @@ impl Error {
 
     /// Walks an error's source chain (through `io::Error`s, as hyper and
     /// tonic wrap them) and returns the first `tokio_rdma::Error` found.
+    ///
+    /// `e` is any error by reference; for a `Box<dyn std::error::Error>` (or
+    /// `+ Send + Sync`) pass `&*err` (the box itself is not an `Error`).
+    ///
+    /// ```
+    /// let io: std::io::Error = tokio_rdma::Error::NoDevice.into();
+    /// let boxed: Box<dyn std::error::Error + Send + Sync> = Box::new(io);
+    /// assert!(matches!(tokio_rdma::Error::find(&*boxed), Some(tokio_rdma::Error::NoDevice)));
+    /// ```
     pub fn find<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a Error> {
         let mut cur: Option<&'a (dyn std::error::Error + 'static)> = Some(e);
         while let Some(err) = cur {
@@ -330,6 +367,8 @@ impl Error {
             Error::LibraryUnavailable { .. } => io::ErrorKind::Unsupported,
             Error::NoDevice | Error::DeviceNotFound { .. } => io::ErrorKind::NotFound,
             Error::NoDeviceForAddress { .. } => io::ErrorKind::AddrNotAvailable,
+            Error::Tcp { source, .. } => source.kind(),
+            Error::FallbackFailed { tcp, .. } => tcp.kind(),
             Error::Verbs { source, .. } => source.kind(),
             Error::ConnectionRefused { .. } | Error::HandshakeRejected { .. } => {
                 io::ErrorKind::ConnectionRefused
@@ -389,6 +428,16 @@ impl Clone for Error {
             Error::Verbs { op, source } => Error::Verbs {
                 op,
                 source: clone_io(source),
+            },
+            Error::Tcp { op, addr, source } => Error::Tcp {
+                op,
+                addr: addr.clone(),
+                source: clone_io(source),
+            },
+            Error::FallbackFailed { addr, rdma, tcp } => Error::FallbackFailed {
+                addr: addr.clone(),
+                rdma: rdma.clone(),
+                tcp: clone_io(tcp),
             },
             Error::HandshakeRejected {
                 addr,

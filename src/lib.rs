@@ -24,9 +24,22 @@
 //! - [`transport`]: the `tcp://`/`rdma://`/`auto://` switch and its
 //!   hyper/axum/tonic integrations.
 //!
+//! # Errors
+//!
 //! Errors are one [`Error`] enum that converts into [`std::io::Error`] with a
-//! deliberate [`std::io::ErrorKind`]; every error after connect carries it
-//! too ([`Error::from_io`] gets it back).
+//! deliberate [`std::io::ErrorKind`]. Which type a function returns:
+//! - streams, listeners, message endpoints and the transport switch (what
+//!   tokio code awaits) return **`std::io::Result`**, which rustdoc shows as
+//!   `Result<T>`; the `io::Error`'s payload is an [`Error`] (TCP failures of
+//!   the switch included: [`Error::Tcp`]), reached with
+//!   [`Error::from_io`], or [`Error::find`] through hyper's and tonic's
+//!   wrappers;
+//! - device queries and config checks return `Result<T, Error>` (this
+//!   crate's [`Error`]);
+//! - the pool returns `Result<T, PoolError>` ([`pool::PoolError`]).
+//!
+//! The crate has no `Result` alias at its root, so a bare `Result<T>` in
+//! these pages is always `std::io::Result<T>`.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -45,10 +58,10 @@ pub mod transport;
 pub mod verbs;
 
 pub use config::RdmaConfig;
-pub use error::{Error, Result};
+pub use error::Error;
 pub use message::{MessageConfig, MessageEndpoint, MessageListener, PostedSge};
 pub use pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes};
-pub use stats::{ConnectionStats, RemoteAccess};
+pub use stats::{ConnectionStats, RemoteAccess, ResourceSnapshot};
 pub use stream::{
     OwnedReadHalf, OwnedWriteHalf, RdmaListener, RdmaStream, ReadHalf, ReuniteError, WriteHalf,
 };
@@ -65,7 +78,7 @@ pub mod __testing {
     pub async fn connect_with_private_data(
         addr: SocketAddr,
         private_data: &[u8],
-    ) -> crate::Result<()> {
+    ) -> crate::error::Result<()> {
         crate::conn::setup::raw_connect(addr, private_data).await
     }
 

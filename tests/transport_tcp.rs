@@ -161,6 +161,14 @@ async fn auto_reports_the_tcp_error_after_fallback() {
     assert!(msg.contains("RDMA failed"), "{msg}");
     assert!(msg.contains("then TCP failed"), "{msg}");
     assert!(msg.contains(&format!("auto://127.0.0.1:{port}")), "{msg}");
+    match tokio_rdma::Error::from_io(&err) {
+        Some(tokio_rdma::Error::FallbackFailed { addr, rdma, tcp }) => {
+            assert_eq!(*addr, format!("auto://127.0.0.1:{port}"));
+            assert!(matches!(**rdma, tokio_rdma::Error::NoDevice), "{rdma:?}");
+            assert_eq!(tcp.raw_os_error(), Some(libc::ECONNREFUSED));
+        }
+        other => panic!("want Error::FallbackFailed, got {other:?}"),
+    }
 }
 
 /// On a host without RDMA every `auto://` connect falls back to TCP, and
@@ -225,10 +233,14 @@ async fn tcp_errors_name_the_operation_and_address() {
             io::Error::from_raw_os_error(libc::ECONNREFUSED)
         )
     );
-    let os = std::error::Error::source(err.get_ref().unwrap())
-        .and_then(|s| s.downcast_ref::<io::Error>())
-        .unwrap();
-    assert_eq!(os.raw_os_error(), Some(libc::ECONNREFUSED));
+    match tokio_rdma::Error::from_io(&err) {
+        Some(tokio_rdma::Error::Tcp { op, addr, source }) => {
+            assert_eq!(*op, "connect");
+            assert_eq!(*addr, format!("tcp://127.0.0.1:{port}"));
+            assert_eq!(source.raw_os_error(), Some(libc::ECONNREFUSED));
+        }
+        other => panic!("want Error::Tcp, got {other:?}"),
+    }
 
     let taken = Listener::bind("tcp://127.0.0.1:0").await.unwrap();
     let port = taken.local_addr().unwrap().port();
@@ -240,10 +252,18 @@ async fn tcp_errors_name_the_operation_and_address() {
         assert_eq!(
             err.to_string(),
             format!(
-                "bind tcp://127.0.0.1:{port}: {}",
+                "bind {scheme}://127.0.0.1:{port}: {}",
                 io::Error::from_raw_os_error(libc::EADDRINUSE)
             ),
             "{scheme}"
+        );
+        assert!(
+            matches!(
+                tokio_rdma::Error::from_io(&err),
+                Some(tokio_rdma::Error::Tcp { op: "bind", source, .. })
+                    if source.raw_os_error() == Some(libc::EADDRINUSE)
+            ),
+            "{err:?}"
         );
     }
 }
@@ -257,6 +277,25 @@ async fn tonic_channel_errors_keep_the_connect_kind() {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), io::ErrorKind::ConnectionRefused, "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with(&format!("tonic channel to tcp://127.0.0.1:{port}: ")),
+        "{msg}"
+    );
+    assert!(
+        msg.ends_with(&format!(
+            "connect tcp://127.0.0.1:{port}: {}",
+            io::Error::from_raw_os_error(libc::ECONNREFUSED)
+        )),
+        "{msg}"
+    );
+    assert!(
+        matches!(
+            tokio_rdma::Error::find(&err),
+            Some(tokio_rdma::Error::Tcp { op: "connect", .. })
+        ),
+        "{err:?}"
+    );
     let err = tokio_rdma::transport::channel("tcp://127.0.0.1")
         .await
         .unwrap_err();

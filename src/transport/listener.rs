@@ -25,7 +25,8 @@ const AUTO_BIND_ATTEMPTS: usize = 16;
 /// so with port 0 the kernel picks the number, then an [`RdmaListener`] is
 /// bound to that number. On a host where RDMA cannot be used (no library, no
 /// device, no device for the address) an auto listener serves TCP only and
-/// logs that with `tracing::info!`.
+/// logs that once with `tracing::warn!` (a listener serving both logs at
+/// `info`).
 ///
 /// [`accept`](Self::accept) is cancel-safe (both underlying accepts are), so
 /// it can race in `tokio::select!` as axum and tonic do.
@@ -61,8 +62,9 @@ impl Listener {
     ///
     /// # Errors
     /// `InvalidInput` for a string that is not a transport address; the
-    /// errors of [`TcpListener::bind`] (kind kept, message naming `bind` and
-    /// the address, the OS error as the payload's `source()`) and [`RdmaListener::bind_with`]
+    /// errors of [`TcpListener::bind`] as [`crate::Error::Tcp`] (kind kept,
+    /// message naming `bind` and the address, the OS error as its `source`)
+    /// and [`RdmaListener::bind_with`]
     /// (`NotFound` without an RDMA device for `rdma://`, `AddrInUse`). An
     /// `auto://` listener only fails when TCP fails to bind, or when RDMA
     /// fails for a reason other than "no RDMA here" (for example the rdma_cm

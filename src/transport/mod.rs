@@ -117,40 +117,15 @@ fn fallback_cause(e: &io::Error) -> Option<&'static str> {
     }
 }
 
-/// A TCP error of the transport switch, with the operation and the
-/// address: `connect tcp://10.0.0.5:8080: Connection refused (os error
-/// 111)`. The `io::Error` around it keeps the OS error's kind; the OS error
-/// itself is this payload's `source()`.
-#[derive(Debug)]
-struct TcpContext {
-    op: &'static str,
-    addr: String,
-    source: io::Error,
-}
-
-impl std::fmt::Display for TcpContext {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} {}: {}", self.op, self.addr, self.source)
-    }
-}
-
-impl std::error::Error for TcpContext {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.source)
-    }
-}
-
-/// Wraps a TCP error of `op` (`"connect"`, `"bind"`) on `addr` so its
-/// message names both; the kind stays the OS error's.
+/// A TCP error of `op` (`"connect"`, `"bind"`) on `addr` as an
+/// [`Error::Tcp`]: the message names both, the kind stays the OS error's.
 fn tcp_error(op: &'static str, addr: &TransportAddr, source: io::Error) -> io::Error {
-    io::Error::new(
-        source.kind(),
-        TcpContext {
-            op,
-            addr: addr.clone().with_transport(Transport::Tcp).to_string(),
-            source,
-        },
-    )
+    Error::Tcp {
+        op,
+        addr: addr.to_string(),
+        source,
+    }
+    .into()
 }
 
 /// `auto://` connections that fell back to TCP in this process.

@@ -62,11 +62,12 @@ impl Stream {
     /// (the source is an [`AddrParseError`](super::AddrParseError)); otherwise
     /// the error of the transport tried last: for `auto://`, any RDMA error
     /// not listed above (for example `TimedOut`, `InvalidData`) is returned
-    /// without trying TCP; after a fallback, an error with TCP's kind whose
-    /// message names both attempts. A TCP error keeps the OS error's kind
-    /// and names the operation and address (`connect tcp://10.0.0.5:8080:
-    /// Connection refused (os error 111)`); the OS error (with its
-    /// `raw_os_error`) is the payload's `source()`.
+    /// without trying TCP; after a fallback that failed too,
+    /// [`crate::Error::FallbackFailed`] (TCP's kind, both attempts named). A
+    /// TCP error is [`crate::Error::Tcp`]: the OS error's kind, a message
+    /// naming the operation and address (`connect tcp://10.0.0.5:8080:
+    /// Connection refused (os error 111)`), and the OS error with its errno
+    /// as its `source`.
     pub async fn connect_with(
         addr: impl ToTransportAddr,
         config: &RdmaConfig,
@@ -186,10 +187,16 @@ async fn connect_auto(addr: &TransportAddr, config: &RdmaConfig) -> io::Result<S
             match TcpStream::connect(target).await {
                 Ok(s) => Ok(Stream::Tcp(s)),
                 // Name both attempts; the kind is TCP's.
-                Err(tcp) => Err(io::Error::new(
-                    tcp.kind(),
-                    format!("connect {addr}: RDMA failed ({e}), then TCP failed: {tcp}"),
-                )),
+                Err(tcp) => Err(crate::Error::FallbackFailed {
+                    addr: addr.to_string(),
+                    rdma: Box::new(
+                        crate::Error::from_io(&e)
+                            .cloned()
+                            .unwrap_or_else(|| crate::Error::Internal(e.to_string())),
+                    ),
+                    tcp,
+                }
+                .into()),
             }
         }
     }

@@ -56,8 +56,10 @@ pub async fn channel(addr: impl ToTransportAddr) -> io::Result<Channel> {
 /// `InvalidInput` for a string that is not a transport address (the
 /// source is an [`AddrParseError`](super::AddrParseError)). When the first
 /// connection fails, an `io::Error` with the connect error's kind (for
-/// example `ConnectionRefused`) whose payload is tonic's transport error;
-/// [`crate::Error::find`] reaches the RDMA error inside.
+/// example `ConnectionRefused`) whose message names the address and the
+/// whole cause (`tonic channel to tcp://10.0.0.5:50051: transport error:
+/// connect tcp://10.0.0.5:50051: Connection refused (os error 111)`);
+/// [`crate::Error::find`] reaches the crate's error inside.
 pub async fn channel_with(addr: impl ToTransportAddr, config: &RdmaConfig) -> io::Result<Channel> {
     let addr = addr.to_transport_addr()?;
     let host = if addr.host().contains(':') {
@@ -70,7 +72,47 @@ pub async fn channel_with(addr: impl ToTransportAddr, config: &RdmaConfig) -> io
     endpoint
         .connect_with_connector(Connector::with_config(addr.transport(), config.clone()))
         .await
-        .map_err(|e| io::Error::new(connect_error_kind(&e), e))
+        .map_err(|source| {
+            io::Error::new(
+                connect_error_kind(&source),
+                ChannelError {
+                    addr: addr.to_string(),
+                    source,
+                },
+            )
+        })
+}
+
+/// tonic's connect error with the address; its message spells out the
+/// whole source chain (tonic's own says only "transport error").
+#[derive(Debug)]
+struct ChannelError {
+    addr: String,
+    source: tonic::transport::Error,
+}
+
+impl std::fmt::Display for ChannelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "tonic channel to {}: {}", self.addr, self.source)?;
+        let mut last = self.source.to_string();
+        let mut cur = std::error::Error::source(&self.source);
+        while let Some(e) = cur {
+            let msg = e.to_string();
+            // Errors that already print their source are not repeated.
+            if !last.ends_with(&msg) {
+                write!(f, ": {msg}")?;
+            }
+            last = msg;
+            cur = e.source();
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ChannelError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
 }
 
 /// The kind of the first `io::Error` in `e`'s source chain (the
