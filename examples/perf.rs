@@ -46,6 +46,10 @@ struct Args {
     /// Busy-poll budget in microseconds for the busy-poll latency run.
     #[arg(long, default_value_t = 200)]
     busy_poll_us: u64,
+    /// Receive ring sizes (bytes, comma-separated) of the RdmaStream bulk
+    /// runs: one row per size, to see what the ring costs in throughput.
+    #[arg(long, value_delimiter = ',', default_values_t = [65536u32])]
+    ring_sizes: Vec<u32>,
     /// Only the parked RdmaStream ping-pong (for profiling, e.g. under strace).
     #[arg(long)]
     pingpong_only: bool,
@@ -211,8 +215,11 @@ async fn main() {
     }
 
     // --- throughput ---------------------------------------------------
-    let (c, s) = rdma_pair(addr, &cfg).await;
-    let rdma_bw = bulk(c, s, args.bulk_bytes).await;
+    let mut rdma_bw = Vec::new();
+    for &ring in &args.ring_sizes {
+        let (c, s) = rdma_pair(addr, &cfg.clone().ring_size(ring)).await;
+        rdma_bw.push((ring, bulk(c, s, args.bulk_bytes).await));
+    }
     let (c, s) = tcp_pair(addr).await;
     let tcp_bw = bulk(c, s, args.bulk_bytes).await;
     let common = vec![
@@ -260,10 +267,13 @@ async fn main() {
         Some(b) => println!("  ib_write_bw (raw verbs)       {b:>10.2}    1.00"),
         None => println!("  ib_write_bw (raw verbs)              n/a    (perftest failed)"),
     }
-    println!(
-        "  RdmaStream                    {rdma_bw:>10.2}    {}",
-        ratio(rdma_bw, ib_bw)
-    );
+    for &(ring, bw) in &rdma_bw {
+        println!(
+            "  RdmaStream, ring {:>5} KiB    {bw:>10.2}    {}",
+            ring >> 10,
+            ratio(bw, ib_bw)
+        );
+    }
     println!(
         "  TCP over the same interface   {tcp_bw:>10.2}    {}",
         ratio(tcp_bw, ib_bw)

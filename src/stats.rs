@@ -48,3 +48,53 @@ pub struct ConnectionStats {
     /// send buffer).
     pub registered_bytes: u64,
 }
+
+/// The verbs and rdma_cm objects this process holds through tokio-rdma
+/// right now, from [`resources`]: every connection, listener, memory pool
+/// and device it opened, all devices together.
+///
+/// A stream connection holds one QP, one CQ, one completion channel (one
+/// file descriptor), one rdma_cm id, one rdma_cm event channel (one file
+/// descriptor), its receive ring's memory region and memory window, and a
+/// send buffer's memory region while it has unsent data (see the README's
+/// design notes). Each opened device holds one PD for the process.
+/// Compare with the device's limits (`ibv_devinfo -v`: `max_qp`, `max_cq`,
+/// `max_mr`, `max_mw`) and with `RLIMIT_MEMLOCK` (`ulimit -l`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct ResourceSnapshot {
+    /// Queue pairs (`ibv_create_qp`).
+    pub queue_pairs: u64,
+    /// Completion queues (`ibv_create_cq`).
+    pub completion_queues: u64,
+    /// Completion channels (`ibv_create_comp_channel`; one fd each).
+    pub completion_channels: u64,
+    /// Memory regions (`ibv_reg_mr`): receive rings, send buffers, pool
+    /// slabs, registered user regions.
+    pub memory_regions: u64,
+    /// Bytes of all those memory regions (the lengths passed to
+    /// `ibv_reg_mr`; the kernel pins whole pages, so at most 4095 bytes
+    /// more per region).
+    pub registered_bytes: u64,
+    /// Type-2 memory windows (`ibv_alloc_mw`).
+    pub memory_windows: u64,
+    /// Protection domains (`ibv_alloc_pd`): one per opened device, plus one
+    /// per stream on a device without memory windows.
+    pub protection_domains: u64,
+    /// rdma_cm ids (`rdma_create_id`, and one per connect request a
+    /// listener received until it is accepted or rejected).
+    pub cm_ids: u64,
+    /// rdma_cm event channels (`rdma_create_event_channel`; one fd each).
+    pub cm_event_channels: u64,
+    /// Idle stream send buffers each opened device keeps registered for
+    /// the next stream with data to send (included in `memory_regions` and
+    /// `registered_bytes`; at most 4 MiB per device).
+    pub idle_send_buffers: u64,
+}
+
+/// What this process holds now through tokio-rdma (live objects; counts
+/// go back down as connections, listeners and pools are dropped and their
+/// drivers finish).
+pub fn resources() -> ResourceSnapshot {
+    crate::verbs::count::snapshot()
+}

@@ -621,9 +621,9 @@ async fn wait_qp_count(want: usize) {
     assert_eq!(qp_count(), want, "every QP freed");
 }
 
-/// Ring (128 KiB) plus send buffer (64 KiB) with the default config: what
+/// Ring (64 KiB) plus send buffer (64 KiB) with the default config: what
 /// a stopped peer's NIC and our buffer take before a write blocks.
-const FULL: usize = 192 * 1024;
+const FULL: usize = 128 * 1024;
 
 fn pattern_buf(seed: u64, len: usize) -> Vec<u8> {
     (0..len as u64).map(|i| pattern(seed, i)).collect()
@@ -636,7 +636,7 @@ async fn shutdown_with_a_stopped_peer_returns_at_once_and_delivers_on_resume() {
     let data = pattern_buf(11, FULL);
     tokio::time::timeout(Duration::from_secs(30), s.write_all(&data))
         .await
-        .expect("ring + send buffer take 192 KiB with the peer stopped")
+        .expect("ring + send buffer take 128 KiB with the peer stopped")
         .unwrap();
     // TCP parity: shutdown queues the FIN behind the buffered bytes and
     // returns; it does not wait for credit a stopped peer cannot return.

@@ -306,6 +306,8 @@ impl Setup for MessageSetup {
             recv_depth: r.recv_queue_depth.into(),
             max_inline: r.inline_threshold,
             send_buf: MessageQp::scratch_len(r.send_queue_depth),
+            // Small (32 bytes per send-queue slot) and used by every RTS.
+            send_buf_on_demand: false,
             recv_ring: 0,
         }
     }

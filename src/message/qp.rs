@@ -400,17 +400,20 @@ impl MessageQp {
                         // wr_ids are consecutive, so slot `wr_id %
                         // send_depth` is not in use by another WR.
                         let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
-                        self.qp
-                            .send_buf
+                        let scratch = self
+                            .qp
+                            .send_buf()
+                            .ok_or_else(|| internal("message QP without its RTS scratch".into()))?;
+                        scratch
                             .write_at(off, header)
                             .map_err(|source| Error::Verbs {
                                 op: "RTS scratch",
                                 source,
                             })?;
                         SendPayload::Sge(Sge {
-                            addr: self.qp.send_buf.addr() + off as u64,
+                            addr: scratch.addr() + off as u64,
                             len: RTS_HEADER_LEN as u32,
-                            lkey: self.qp.send_buf.lkey(),
+                            lkey: scratch.lkey(),
                         })
                     };
                     SendOp::SendImm { payload, imm: *imm }

@@ -756,6 +756,14 @@ impl StreamCore {
         queued_done && self.outstanding.is_empty()
     }
 
+    /// Send-buffer bytes holding data: accepted and not yet known complete
+    /// (buffered, or posted in WRs that have not completed). While this is
+    /// 0 no posted WR reads the send buffer, so the runtime may swap it for
+    /// another buffer of the same length; offsets stay valid.
+    pub fn send_buf_in_use(&self) -> usize {
+        (self.sb_unposted + self.sb_inflight) as usize
+    }
+
     /// Bytes buffered and not yet posted.
     pub fn unposted_len(&self) -> usize {
         self.sb_unposted as usize

@@ -230,6 +230,12 @@ impl StreamState {
         if self.error.is_none() {
             self.transmit();
         }
+        // Every WR that read the send buffer has completed (its bytes are
+        // freed only then) and the QP is healthy: give the buffer back, so
+        // an idle connection pins only its ring.
+        if self.alive() && self.core.send_buf_in_use() == 0 {
+            self.qp.release_send_buf();
+        }
     }
 }
 
@@ -441,6 +447,11 @@ impl Conn {
             return Poll::Pending;
         }
         let n = cap.min(total);
+        // Taken from the device's cache while there is data to send;
+        // nothing is accepted if no buffer can be had.
+        if let Err(e) = st.qp.ensure_send_buf() {
+            return Poll::Ready(Err(e.into()));
+        }
         let ranges = st.core.accept_write(n);
         // Copy the first n bytes of `bufs` into the ranges, in order.
         let mut src = bufs.iter().map(|b| &b[..]).filter(|c| !c.is_empty());
@@ -455,7 +466,11 @@ impl Conn {
                     }
                 }
                 let k = (r.end - at).min(cur.len());
-                if let Err(source) = st.qp.send_buf.write_at(at, &cur[..k]) {
+                let copied = match st.qp.send_buf() {
+                    Some(buf) => buf.write_at(at, &cur[..k]),
+                    None => Err(io::Error::other("send buffer missing")),
+                };
+                if let Err(source) = copied {
                     return Poll::Ready(Err(Error::Verbs {
                         op: "send buffer copy",
                         source,
@@ -529,6 +544,7 @@ impl Conn {
     #[cfg(tokio_rdma_guest)]
     pub(crate) fn forge_ring_write(&self, remote_addr: u64, rkey: u32, len: u32) -> io::Result<()> {
         let mut st = self.lock();
+        st.qp.ensure_send_buf()?;
         st.qp
             .post_write_imm(MW_WR_FLAG | 0xF0, 0, len, remote_addr, rkey, 0, true, false)
             .map_err(io::Error::from)
@@ -542,7 +558,7 @@ impl Conn {
             RingIsolation::OwnPd => RemoteAccess::OwnProtectionDomain,
             _ => RemoteAccess::MemoryWindow,
         };
-        s.registered_bytes = (st.qp.recv_ring.len() + st.qp.send_buf.len()) as u64;
+        s.registered_bytes = st.qp.registered_bytes() as u64;
         s
     }
 }

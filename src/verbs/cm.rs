@@ -27,6 +27,7 @@ use rdma_mummy_sys::{
 };
 use tokio::io::unix::AsyncFd;
 
+use super::count::{Counted, Kind};
 use crate::error::{Error, Result};
 
 /// The rdma_cm event types this crate acts on (`enum rdma_cm_event_type`).
@@ -96,6 +97,7 @@ impl Drop for RawChannel {
 /// An rdma_cm event channel with a non-blocking fd registered with tokio.
 pub(crate) struct EventChannel {
     fd: AsyncFd<RawChannel>,
+    _counted: Counted,
 }
 
 /// One rdma_cm event, copied out of librdmacm's struct and already acked.
@@ -140,7 +142,10 @@ impl EventChannel {
                 op: "AsyncFd::register",
                 source: e.into(),
             })?;
-        Ok(Arc::new(EventChannel { fd }))
+        Ok(Arc::new(EventChannel {
+            fd,
+            _counted: Counted::new(Kind::CmEventChannel),
+        }))
     }
 
     fn raw(&self) -> *mut rdma_event_channel {
@@ -183,6 +188,7 @@ impl EventChannel {
             (CmEventKind::ConnectRequest, Some(raw)) => Some(CmId {
                 raw,
                 channel: Arc::clone(self),
+                _counted: Counted::new(Kind::CmId),
             }),
             _ => None,
         };
@@ -222,6 +228,7 @@ fn set_nonblocking(fd: RawFd) -> io::Result<()> {
 pub(crate) struct CmId {
     raw: NonNull<rdma_cm_id>,
     channel: Arc<EventChannel>,
+    _counted: Counted,
 }
 
 // SAFETY: librdmacm ids may be used from any thread; every method here is a
@@ -257,6 +264,7 @@ impl CmId {
         Ok(CmId {
             raw,
             channel: Arc::clone(channel),
+            _counted: Counted::new(Kind::CmId),
         })
     }
 

@@ -14,6 +14,7 @@
 //! Every `unsafe` block in this module carries a `SAFETY:` comment.
 
 pub(crate) mod cm;
+pub(crate) mod count;
 pub mod device;
 #[allow(unsafe_code)]
 pub(crate) mod mw;

@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use rdma_mummy_sys::{ibv_alloc_mw, ibv_dealloc_mw, ibv_inc_rkey, ibv_mw, ibv_mw_type};
 
+use super::count::{Counted, Kind};
 use super::rc::OpenDevice;
 use crate::error::{Error, Result};
 
@@ -40,6 +41,7 @@ pub(crate) struct MemoryWindow {
     /// The key of the current (or, once invalidated, the last) bind.
     rkey: u32,
     _device: Arc<OpenDevice>,
+    _counted: Counted,
 }
 
 // SAFETY: the window is an opaque verbs object; libibverbs allows its use
@@ -67,6 +69,7 @@ impl MemoryWindow {
             mw,
             rkey,
             _device: Arc::clone(device),
+            _counted: Counted::new(Kind::MemoryWindow),
         })
     }
 

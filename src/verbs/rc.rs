@@ -40,6 +40,7 @@ use sideway::ibverbs::queue_pair::{
 use tokio::io::unix::AsyncFd;
 
 use super::cm::CmId;
+use super::count::{Counted, Kind};
 use super::mw::{MemoryWindow, WindowAccess};
 use crate::error::{Error, Result};
 
@@ -66,12 +67,47 @@ pub(crate) struct OpenDevice {
     /// Memory windows the device supports (`ibv_device_attr::max_mw`); 0
     /// for providers without them.
     pub(crate) max_mw: u32,
+    /// Idle stream send buffers on `pd`, kept for the next stream that has
+    /// data to send (at most [`SEND_BUFFER_CACHE_BYTES`] in all).
+    send_buffers: Mutex<Vec<(RegisteredBuffer, Counted)>>,
+    _counted_pd: Counted,
 }
+
+/// Bytes of idle stream send buffers an opened device keeps registered
+/// for reuse: 4 MiB (64 buffers of the default 64 KiB), so connections
+/// that take turns sending do not register and deregister a buffer per
+/// response, while thousands of idle connections pin none.
+pub(crate) const SEND_BUFFER_CACHE_BYTES: usize = 4 << 20;
 
 impl OpenDevice {
     /// Whether the device has type-2 memory windows.
     pub(crate) fn has_memory_windows(&self) -> bool {
         self.max_mw > 0
+    }
+
+    /// A registered, local-only send buffer of `len` bytes on the device's
+    /// PD: a cached idle one, or a new registration.
+    fn take_send_buffer(&self, len: usize) -> Result<RegisteredBuffer> {
+        let cached = {
+            let mut cache = self.send_buffers.lock().unwrap_or_else(|p| p.into_inner());
+            cache
+                .iter()
+                .position(|(b, _)| b.len() == len)
+                .map(|i| cache.swap_remove(i).0)
+        };
+        match cached {
+            Some(b) => Ok(b),
+            None => RegisteredBuffer::new(&self.pd, len, AccessFlags::LocalWrite),
+        }
+    }
+
+    /// Keeps `buf` for reuse, or deregisters it when the cache is full.
+    fn return_send_buffer(&self, buf: RegisteredBuffer) {
+        let mut cache = self.send_buffers.lock().unwrap_or_else(|p| p.into_inner());
+        let cached: usize = cache.iter().map(|(b, _)| b.len()).sum();
+        if cached + buf.len() <= SEND_BUFFER_CACHE_BYTES {
+            cache.push((buf, Counted::new(Kind::IdleSendBuffer)));
+        }
     }
 }
 
@@ -108,6 +144,8 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         pd,
         ctx,
         max_mw,
+        send_buffers: Mutex::new(Vec::new()),
+        _counted_pd: Counted::new(Kind::ProtectionDomain),
     });
     map.insert(name.to_string(), Arc::clone(&d));
     Ok(d)
@@ -165,6 +203,7 @@ pub(crate) struct MemoryRegistration {
     access: MrAccess,
     // Keeps the device context open while the MR lives.
     _device: Arc<OpenDevice>,
+    _counted: Counted,
 }
 
 impl MemoryRegistration {
@@ -191,6 +230,7 @@ impl MemoryRegistration {
             mr,
             access,
             _device: Arc::clone(device),
+            _counted: Counted::memory_region(len),
         })
     }
 
@@ -223,6 +263,7 @@ pub(crate) struct RegisteredBuffer {
     mr: ManuallyDrop<Arc<MemoryRegion>>,
     ptr: NonNull<u8>,
     layout: Layout,
+    _counted: Counted,
 }
 
 // SAFETY: the buffer is plain heap memory owned by this value; access goes
@@ -259,6 +300,7 @@ impl RegisteredBuffer {
             mr: ManuallyDrop::new(mr),
             ptr,
             layout,
+            _counted: Counted::memory_region(len.max(1)),
         })
     }
 
@@ -344,6 +386,11 @@ pub(crate) struct RcSizes {
     pub max_inline: u32,
     /// Registered send buffer (bytes).
     pub send_buf: usize,
+    /// Take the send buffer from the device's cache only while there is
+    /// data to send ([`RcQueuePair::ensure_send_buf`],
+    /// [`RcQueuePair::release_send_buf`]) instead of holding it for the
+    /// QP's life. Ignored on a QP with a PD of its own.
+    pub send_buf_on_demand: bool,
     /// Registered receive ring the peer writes into (bytes); 0 for none
     /// (a message endpoint, whose receives land in pool buffers).
     pub recv_ring: usize,
@@ -441,7 +488,10 @@ pub(crate) struct RcQueuePair {
     // are acked in Drop first.
     ring_window: Option<MemoryWindow>,
     qp: BasicQueuePair,
-    pub(crate) send_buf: RegisteredBuffer,
+    /// `None` while an on-demand send buffer is not held.
+    send_buf: Option<RegisteredBuffer>,
+    send_buf_len: usize,
+    send_buf_on_demand: bool,
     pub(crate) recv_ring: RegisteredBuffer,
     cq: Arc<BasicCompletionQueue>,
     events: Arc<CqEventFd>,
@@ -450,6 +500,8 @@ pub(crate) struct RcQueuePair {
     ring_isolation: RingIsolation,
     _pd: Arc<ProtectionDomain>,
     device: Arc<OpenDevice>,
+    /// QP, CQ, completion channel and (with a PD of its own) the PD.
+    _counted: Vec<Counted>,
 }
 
 /// How a stream's receive ring is opened to the peer: never by a key that
@@ -496,6 +548,7 @@ impl RcQueuePair {
             op: "ibv_create_comp_channel",
             source: errno_of!(e, CreateCompletionChannelErrorKind::Ibverbs),
         })?;
+        let mut counted = vec![Counted::new(Kind::CompletionChannel)];
         chan.set_nonblocking(true)
             .map_err(verbs("fcntl(O_NONBLOCK)"))?;
         let cq = device
@@ -508,6 +561,7 @@ impl RcQueuePair {
                 op: "ibv_create_cq",
                 source: errno_of!(e, CreateCompletionQueueErrorKind::Ibverbs),
             })?;
+        counted.push(Counted::new(Kind::CompletionQueue));
         let ring_isolation = if sizes.recv_ring == 0 {
             RingIsolation::NoRing
         } else if device.has_memory_windows() {
@@ -516,10 +570,12 @@ impl RcQueuePair {
             RingIsolation::OwnPd
         };
         let pd = if ring_isolation == RingIsolation::OwnPd {
-            device.ctx.alloc_pd().map_err(|e| Error::Verbs {
+            let pd = device.ctx.alloc_pd().map_err(|e| Error::Verbs {
                 op: "ibv_alloc_pd",
                 source: errno_of!(e, AllocateProtectionDomainErrorKind::Ibverbs),
-            })?
+            })?;
+            counted.push(Counted::new(Kind::ProtectionDomain));
+            pd
         } else {
             Arc::clone(&device.pd)
         };
@@ -537,7 +593,18 @@ impl RcQueuePair {
                 op: "ibv_create_qp",
                 source: errno_of!(e, CreateQueuePairErrorKind::Ibverbs),
             })?;
-        let send_buf = RegisteredBuffer::new(&pd, sizes.send_buf, AccessFlags::LocalWrite)?;
+        counted.push(Counted::new(Kind::QueuePair));
+        // A QP on a PD of its own cannot use the device's cached buffers.
+        let send_buf_on_demand = sizes.send_buf_on_demand && ring_isolation != RingIsolation::OwnPd;
+        let send_buf = if send_buf_on_demand {
+            None
+        } else {
+            Some(RegisteredBuffer::new(
+                &pd,
+                sizes.send_buf,
+                AccessFlags::LocalWrite,
+            )?)
+        };
         let ring_access = match ring_isolation {
             RingIsolation::NoRing => AccessFlags::LocalWrite,
             RingIsolation::Window => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
@@ -561,6 +628,8 @@ impl RcQueuePair {
             ring_window,
             qp,
             send_buf,
+            send_buf_len: sizes.send_buf,
+            send_buf_on_demand,
             recv_ring,
             cq,
             events: Arc::new(events),
@@ -569,7 +638,46 @@ impl RcQueuePair {
             ring_isolation,
             _pd: pd,
             device,
+            _counted: counted,
         })
+    }
+
+    /// The send buffer, taking one from the device's cache (or registering
+    /// one) if an on-demand buffer is not held now.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] (`ibv_reg_mr`, errno kept: `ENOMEM` at
+    /// RLIMIT_MEMLOCK) when a new buffer cannot be registered.
+    pub(crate) fn ensure_send_buf(&mut self) -> Result<&RegisteredBuffer> {
+        if self.send_buf.is_none() {
+            self.send_buf = Some(self.device.take_send_buffer(self.send_buf_len)?);
+        }
+        self.send_buf
+            .as_ref()
+            .ok_or_else(|| Error::Internal("send buffer missing after ensure_send_buf".into()))
+    }
+
+    /// The send buffer if one is held now.
+    pub(crate) fn send_buf(&self) -> Option<&RegisteredBuffer> {
+        self.send_buf.as_ref()
+    }
+
+    /// Gives an on-demand send buffer back to the device's cache. The
+    /// caller guarantees that no posted WR still reads it (every WR that
+    /// referenced it completed, and the QP is healthy). No-op for a buffer
+    /// held for the QP's life.
+    pub(crate) fn release_send_buf(&mut self) {
+        if self.send_buf_on_demand {
+            if let Some(buf) = self.send_buf.take() {
+                self.device.return_send_buffer(buf);
+            }
+        }
+    }
+
+    /// Registered bytes this QP holds now: the receive ring and the send
+    /// buffer while held.
+    pub(crate) fn registered_bytes(&self) -> usize {
+        self.recv_ring.len() + self.send_buf.as_ref().map_or(0, RegisteredBuffer::len)
     }
 
     /// How the receive ring is opened to the peer.
@@ -876,14 +984,20 @@ impl RcQueuePair {
             WorkRequestFlags::none()
         };
         let mut tmp = Vec::new();
-        if len > 0 && inline {
-            tmp.resize(len as usize, 0);
-            self.send_buf
-                .read_at(local_offset as usize, &mut tmp)
-                .map_err(verbs("inline copy"))?;
+        let (mut lkey, mut laddr) = (0, 0);
+        if len > 0 {
+            let buf = self
+                .send_buf
+                .as_ref()
+                .ok_or_else(|| Error::Internal("data WR posted without a send buffer".into()))?;
+            if inline {
+                tmp.resize(len as usize, 0);
+                buf.read_at(local_offset as usize, &mut tmp)
+                    .map_err(verbs("inline copy"))?;
+            }
+            lkey = buf.lkey();
+            laddr = buf.addr() + u64::from(local_offset);
         }
-        let lkey = self.send_buf.lkey();
-        let laddr = self.send_buf.addr() + u64::from(local_offset);
         let mut guard = self.qp.start_post_send();
         let wr = guard
             .construct_wr(wr_id, flags)

@@ -1,0 +1,312 @@
+//! Guest tests for many connections (run inside the Soft-RoCE guest by
+//! `scripts/test`; they fail, never skip, without rxe0): a thousand
+//! concurrent streams moving data, thousands of idle ones and what they
+//! pin, churn, and refused connects, each ending with the process's verbs
+//! objects and file descriptors back where they started.
+//!
+//! Compiled only with `--cfg tokio_rdma_guest` (`scripts/test` sets it).
+//! The binary runs with `--test-threads=1`, so the process-wide counts of
+//! [`tokio_rdma::stats::resources`] change only through the test running.
+#![cfg(tokio_rdma_guest)]
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinSet;
+use tokio_rdma::stats::{ResourceSnapshot, resources};
+use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
+
+#[path = "../examples/shared/pattern.rs"]
+#[allow(dead_code)]
+mod shared;
+
+const IP: &str = "10.11.0.1";
+
+/// Generous liveness bounds (TCG is slow); never speed assertions.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(240);
+const SETTLE: Duration = Duration::from_secs(120);
+
+/// The default receive ring, which is all an idle stream keeps registered.
+const RING: u64 = 64 * 1024;
+
+fn pattern(seed: u64, i: u64) -> u8 {
+    shared::pattern_byte(seed, i)
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .count()
+}
+
+/// The counts that must return to the start once connections are gone:
+/// everything but the device's cache of idle send buffers (kept for reuse,
+/// at most 4 MiB), whose regions and bytes are taken out.
+fn without_cache(r: ResourceSnapshot) -> (u64, u64, u64, u64, u64, u64, u64, u64, u64) {
+    (
+        r.queue_pairs,
+        r.completion_queues,
+        r.completion_channels,
+        r.memory_regions - r.idle_send_buffers,
+        r.registered_bytes - r.idle_send_buffers * 64 * 1024,
+        r.memory_windows,
+        r.protection_domains,
+        r.cm_ids,
+        r.cm_event_channels,
+    )
+}
+
+/// Waits (up to [`SETTLE`], a liveness bound) until the resources and fds
+/// are back at `start` (fds within `fd_slack`), then asserts it.
+async fn assert_back_to(start: ResourceSnapshot, fds: usize, fd_slack: usize) {
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let now = resources();
+        let back =
+            without_cache(now) == without_cache(start) && open_fds().abs_diff(fds) <= fd_slack;
+        if back || Instant::now() > deadline {
+            assert_eq!(
+                without_cache(now),
+                without_cache(start),
+                "{now:?} vs {start:?}"
+            );
+            assert!(
+                open_fds().abs_diff(fds) <= fd_slack,
+                "fds {} vs {fds} at the start",
+                open_fds()
+            );
+            assert!(now.idle_send_buffers <= 64, "{now:?}");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A listener with the default backlog, and one connection made and closed
+/// first so the device is open before the counts are taken.
+async fn listener() -> (RdmaListener, SocketAddr, ResourceSnapshot, usize) {
+    let l = RdmaListener::bind(format!("{IP}:0")).await.expect("bind");
+    let addr = l.local_addr().unwrap();
+    let (c, s) = tokio::join!(RdmaStream::connect(addr), l.accept());
+    let (mut c, (mut s, _)) = (c.unwrap(), s.unwrap());
+    c.write_all(b"warm").await.unwrap();
+    let mut b = [0u8; 4];
+    s.read_exact(&mut b).await.unwrap();
+    drop((c, s));
+    // The warm-up's QPs go away in the background.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let deadline = Instant::now() + SETTLE;
+    while resources().queue_pairs != 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(resources().queue_pairs, 0, "warm-up connection gone");
+    (l, addr, resources(), open_fds())
+}
+
+/// Waits until every stream's send buffer went back (the stream is idle)
+/// and returns the registered bytes each holds.
+async fn settled_registered(streams: &[RdmaStream]) -> Vec<u64> {
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let got: Vec<u64> = streams.iter().map(|s| s.stats().registered_bytes).collect();
+        if got.iter().all(|&b| b == RING) || Instant::now() > deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// 1,000 streams connect at once to a listener with the default backlog
+/// (none refused); each sends 16 pipelined 4 KiB writes and reads the 64 KiB
+/// echoed back, bytes equal. Held open afterwards, each end pins only its
+/// 64 KiB ring (send buffers go back when idle); closed, everything is
+/// released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_streams_echo_then_idle_ones_pin_only_their_ring() {
+    const N: usize = 1000;
+    const WRITES: u64 = 16;
+    const WRITE: u64 = 4096;
+    let (l, addr, start, fds) = listener().await;
+    let server = tokio::spawn(async move {
+        let mut echoes = JoinSet::new();
+        for _ in 0..N {
+            let (mut s, _) = l.accept().await.unwrap();
+            echoes.spawn(async move {
+                let mut buf = vec![0u8; (WRITES * WRITE) as usize];
+                s.read_exact(&mut buf).await?;
+                s.write_all(&buf).await?;
+                Ok::<_, io::Error>(s)
+            });
+        }
+        let mut held = Vec::with_capacity(N);
+        while let Some(r) = echoes.join_next().await {
+            held.push(r.unwrap().expect("server echo"));
+        }
+        (l, held)
+    });
+    let cfg = RdmaConfig::new().connect_timeout(CONNECT_TIMEOUT);
+    let mut clients = JoinSet::new();
+    for seed in 0..N as u64 {
+        let cfg = cfg.clone();
+        clients.spawn(async move {
+            let mut s = RdmaStream::connect_with(addr, &cfg).await?;
+            let mut buf = vec![0u8; WRITE as usize];
+            for w in 0..WRITES {
+                for (k, b) in buf.iter_mut().enumerate() {
+                    *b = pattern(seed, w * WRITE + k as u64);
+                }
+                s.write_all(&buf).await?;
+            }
+            let mut back = vec![0u8; (WRITES * WRITE) as usize];
+            s.read_exact(&mut back).await?;
+            for (i, &b) in back.iter().enumerate() {
+                assert_eq!(
+                    b,
+                    pattern(seed, i as u64),
+                    "stream {seed}: byte {i} differs"
+                );
+            }
+            Ok::<_, io::Error>(s)
+        });
+    }
+    let mut held = Vec::with_capacity(N);
+    while let Some(r) = clients.join_next().await {
+        held.push(r.unwrap().expect("connect and echo"));
+    }
+    let (l, server_held) = server.await.unwrap();
+    assert_eq!((held.len(), server_held.len()), (N, N));
+    held.extend(server_held);
+
+    let per_stream = settled_registered(&held).await;
+    assert_eq!(
+        per_stream,
+        vec![RING; 2 * N],
+        "each idle end pins its ring only"
+    );
+    let now = resources();
+    assert_eq!(now.queue_pairs - start.queue_pairs, 2 * N as u64);
+    assert_eq!(now.memory_windows - start.memory_windows, 2 * N as u64);
+    assert_eq!(
+        without_cache(now).4 - without_cache(start).4,
+        2 * N as u64 * RING,
+        "{now:?}"
+    );
+    drop(held);
+    assert_back_to(start, fds, 2).await;
+    drop(l);
+}
+
+/// 4,000 idle connections (8,000 stream ends in this process) held open at
+/// once: every end pins its 64 KiB ring and nothing else, and all of it
+/// goes back when they close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
+    const N: usize = 4000;
+    const AT_ONCE: usize = 256;
+    let (l, addr, start, fds) = listener().await;
+    let server = tokio::spawn(async move {
+        let mut held = Vec::with_capacity(N);
+        while held.len() < N {
+            held.push(l.accept().await.unwrap().0);
+        }
+        (l, held)
+    });
+    let cfg = RdmaConfig::new().connect_timeout(CONNECT_TIMEOUT);
+    let mut held = Vec::with_capacity(N);
+    while held.len() < N {
+        let mut batch = JoinSet::new();
+        for _ in 0..AT_ONCE.min(N - held.len()) {
+            let cfg = cfg.clone();
+            batch.spawn(async move { RdmaStream::connect_with(addr, &cfg).await });
+        }
+        while let Some(r) = batch.join_next().await {
+            held.push(r.unwrap().expect("connect"));
+        }
+    }
+    let (l, server_held) = server.await.unwrap();
+    held.extend(server_held);
+    let total: u64 = held.iter().map(|s| s.stats().registered_bytes).sum();
+    assert_eq!(total, 2 * N as u64 * RING);
+    assert!(total / (2 * N as u64) <= 64 * 1024);
+    let now = resources();
+    assert_eq!(
+        without_cache(now).4 - without_cache(start).4,
+        2 * N as u64 * RING,
+        "{now:?}"
+    );
+    assert_eq!(now.queue_pairs - start.queue_pairs, 2 * N as u64);
+    println!(
+        "{} stream ends: {} bytes registered in all ({} per end), {} QPs, {} fds",
+        2 * N,
+        now.registered_bytes,
+        now.registered_bytes / (2 * N as u64),
+        now.queue_pairs,
+        open_fds()
+    );
+    drop(held);
+    assert_back_to(start, fds, 2).await;
+    drop(l);
+}
+
+/// 2,000 sequential connect, 8 KiB echo, close: all succeed, and the fds
+/// and verbs objects end where they started (fds within 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churn_of_2000_connections_leaks_nothing() {
+    const N: u64 = 2000;
+    const LEN: usize = 8192;
+    let (l, addr, start, fds) = listener().await;
+    let server = tokio::spawn(async move {
+        for _ in 0..N {
+            let (mut s, _) = l.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; LEN];
+                s.read_exact(&mut buf).await.unwrap();
+                s.write_all(&buf).await.unwrap();
+            });
+        }
+        l
+    });
+    for seed in 0..N {
+        let mut s = RdmaStream::connect(addr).await.expect("connect");
+        let data: Vec<u8> = (0..LEN as u64).map(|i| pattern(seed, i)).collect();
+        s.write_all(&data).await.unwrap();
+        let mut back = vec![0u8; LEN];
+        s.read_exact(&mut back).await.unwrap();
+        assert!(back == data, "connection {seed}: echo differs");
+    }
+    let l = server.await.unwrap();
+    assert_back_to(start, fds, 2).await;
+    drop(l);
+}
+
+/// 2,000 connects to a port with no listener: each is `ConnectionRefused`
+/// (`Error::ConnectionRefused`) well within the connect timeout, and nothing
+/// is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connects_to_a_port_without_listener_are_refused_and_leak_nothing() {
+    const N: usize = 2000;
+    let (l, _, start, fds) = listener().await;
+    let closed: SocketAddr = {
+        let other = RdmaListener::bind(format!("{IP}:0")).await.unwrap();
+        other.local_addr().unwrap()
+    };
+    let cfg = RdmaConfig::new().connect_timeout(Duration::from_secs(30));
+    for i in 0..N {
+        let err = RdmaStream::connect_with(closed, &cfg)
+            .await
+            .expect_err("nothing listens there");
+        assert_eq!(
+            err.kind(),
+            io::ErrorKind::ConnectionRefused,
+            "connect {i}: {err}"
+        );
+        assert!(
+            matches!(Error::from_io(&err), Some(Error::ConnectionRefused { addr }) if *addr == closed),
+            "connect {i}: {err:?}"
+        );
+    }
+    assert_back_to(start, fds, 2).await;
+    drop(l);
+}
