@@ -16,7 +16,6 @@
 //! and prints ratios. Nothing here asserts a speed: this is a benchmark.
 
 use std::net::{IpAddr, SocketAddr};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
@@ -24,6 +23,10 @@ use hdrhistogram::Histogram;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rdma::{RdmaConfig, RdmaListener, RdmaStream};
+
+#[path = "shared/perftest.rs"]
+mod perftest;
+use perftest::ratio;
 
 #[derive(Parser, Debug)]
 #[command(about = "RdmaStream vs perftest vs TCP, side by side")]
@@ -133,62 +136,8 @@ async fn tcp_pair(addr: IpAddr) -> (TcpStream, TcpStream) {
     (c, s)
 }
 
-/// Runs a perftest server and client; returns the client's stdout.
-async fn perftest(tool: &str, args: &[String], addr: IpAddr, port: u16) -> Option<String> {
-    let mut base: Vec<String> = args.to_vec();
-    base.extend(["-p".into(), port.to_string()]);
-    let mut server = tokio::process::Command::new(tool)
-        .args(&base)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .ok()?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let mut cargs = base.clone();
-    cargs.push(addr.to_string());
-    let out = tokio::time::timeout(
-        Duration::from_secs(120),
-        tokio::process::Command::new(tool).args(&cargs).output(),
-    )
-    .await
-    .ok()?
-    .ok()?;
-    let _ = tokio::time::timeout(Duration::from_secs(5), server.wait()).await;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    if perftest_row(&text).is_none() {
-        eprintln!(
-            "perf: {tool} {} gave no result:\n{text}{}",
-            cargs.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Some(text)
-}
-
-/// The data row after perftest's `#bytes` header: its numeric columns.
-fn perftest_row(out: &str) -> Option<Vec<f64>> {
-    let mut lines = out.lines();
-    lines
-        .by_ref()
-        .find(|l| l.trim_start().starts_with("#bytes"))?;
-    let row = lines.find(|l| !l.trim().is_empty())?;
-    let v: Vec<f64> = row
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    (!v.is_empty()).then_some(v)
-}
-
 fn us(ns: u64) -> f64 {
     ns as f64 / 1000.0
-}
-
-fn ratio(a: f64, b: Option<f64>) -> String {
-    match b {
-        Some(b) if b > 0.0 => format!("{:.2}", a / b),
-        _ => "n/a".into(),
-    }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -231,9 +180,9 @@ async fn main() {
     ];
     let mut bw_args = common.clone();
     bw_args.extend(["-s".into(), "65536".into(), "-D".into(), "5".into()]);
-    let ib_bw = perftest("ib_write_bw", &bw_args, addr, 18515)
+    let ib_bw = perftest::run("ib_write_bw", &bw_args, addr, 18515)
         .await
-        .and_then(|o| perftest_row(&o))
+        .and_then(|o| perftest::row(&o))
         .and_then(|v| v.get(3).copied())
         // perftest's "MB/sec" is MiB/s (its --help: "instead of MiB/sec");
         // ours is 10^6 bytes/s.
@@ -255,9 +204,9 @@ async fn main() {
         args.iters.to_string(),
     ]);
     // ib_send_lat prints one-way latency (half the round trip): double it.
-    let ib_lat = perftest("ib_send_lat", &lat_args, addr, 18516)
+    let ib_lat = perftest::run("ib_send_lat", &lat_args, addr, 18516)
         .await
-        .and_then(|o| perftest_row(&o));
+        .and_then(|o| perftest::row(&o));
     let ib_rtt_typical = ib_lat.as_ref().and_then(|v| v.get(4)).map(|t| t * 2.0);
     let ib_rtt_p99 = ib_lat.as_ref().and_then(|v| v.get(7)).map(|t| t * 2.0);
 

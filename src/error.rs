@@ -101,6 +101,25 @@ pub enum Error {
         source: io::Error,
     },
 
+    /// A limit of this process or of the device was reached while creating
+    /// a connection's verbs objects (at connect or accept; the listener
+    /// keeps serving others). `resource` names it, `limit` is its value
+    /// when known (bytes for locked memory, a count otherwise), `op` the
+    /// call that failed and `source` its errno. The message says how to
+    /// raise it. Maps to the kind of `source` (`OutOfMemory` for `ENOMEM`).
+    #[error("{op} failed: {resource} exhausted ({}): {source}; {}", limit_text(*resource, *limit), resource.hint())]
+    ResourceLimit {
+        /// Which resource ran out.
+        resource: Resource,
+        /// Its limit, when known.
+        limit: Option<u64>,
+        /// The libibverbs/librdmacm function that failed.
+        op: &'static str,
+        /// The errno it reported.
+        #[source]
+        source: io::Error,
+    },
+
     /// The server answered the handshake with a reject naming `reason`
     /// (for example a protocol version it does not speak). Maps to
     /// [`io::ErrorKind::ConnectionRefused`].
@@ -368,6 +387,7 @@ impl Error {
             Error::NoDevice | Error::DeviceNotFound { .. } => io::ErrorKind::NotFound,
             Error::NoDeviceForAddress { .. } => io::ErrorKind::AddrNotAvailable,
             Error::Tcp { source, .. } => source.kind(),
+            Error::ResourceLimit { source, .. } => source.kind(),
             Error::FallbackFailed { tcp, .. } => tcp.kind(),
             Error::Verbs { source, .. } => source.kind(),
             Error::ConnectionRefused { .. } | Error::HandshakeRejected { .. } => {
@@ -407,6 +427,69 @@ impl From<Error> for io::Error {
     }
 }
 
+/// A process or device limit named by [`Error::ResourceLimit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Resource {
+    /// Memory the process may pin (`RLIMIT_MEMLOCK`, `ulimit -l`); every
+    /// memory region counts against it unless the process has
+    /// `CAP_IPC_LOCK`.
+    LockedMemory,
+    /// File descriptors (`RLIMIT_NOFILE`, `ulimit -n`); a stream connection
+    /// holds two.
+    FileDescriptors,
+    /// The device's queue pairs (`max_qp` in `ibv_devinfo -v`).
+    QueuePairs,
+    /// The device's completion queues (`max_cq`).
+    CompletionQueues,
+    /// The device's memory regions (`max_mr`).
+    MemoryRegions,
+    /// The device's memory windows (`max_mw`).
+    MemoryWindows,
+}
+
+impl Resource {
+    /// How to raise the limit, in one sentence.
+    pub fn hint(self) -> &'static str {
+        match self {
+            Resource::LockedMemory => {
+                "raise RLIMIT_MEMLOCK (`ulimit -l unlimited`, `LimitMEMLOCK=infinity` for a systemd unit, `memlock` in /etc/security/limits.conf, `--ulimit memlock=-1` for docker)"
+            }
+            Resource::FileDescriptors => {
+                "raise RLIMIT_NOFILE (`ulimit -n 65536`, `LimitNOFILE=` for a systemd unit)"
+            }
+            Resource::QueuePairs
+            | Resource::CompletionQueues
+            | Resource::MemoryRegions
+            | Resource::MemoryWindows => {
+                "the device's own limit (`ibv_devinfo -v`): spread connections over more devices or processes"
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Resource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Resource::LockedMemory => "locked memory (RLIMIT_MEMLOCK)",
+            Resource::FileDescriptors => "file descriptors (RLIMIT_NOFILE)",
+            Resource::QueuePairs => "device queue pairs",
+            Resource::CompletionQueues => "device completion queues",
+            Resource::MemoryRegions => "device memory regions",
+            Resource::MemoryWindows => "device memory windows",
+        })
+    }
+}
+
+fn limit_text(resource: Resource, limit: Option<u64>) -> String {
+    match (resource, limit) {
+        (_, None) => "limit unknown".into(),
+        (Resource::LockedMemory, Some(u64::MAX)) => "limit unlimited".into(),
+        (Resource::LockedMemory, Some(b)) => format!("limit {b} bytes"),
+        (_, Some(n)) => format!("limit {n}"),
+    }
+}
+
 /// A copy of an `io::Error` that keeps its errno (or its kind and message).
 pub(crate) fn clone_io(e: &io::Error) -> io::Error {
     match e.raw_os_error() {
@@ -426,6 +509,17 @@ impl Clone for Error {
             Error::NoDeviceForAddress { addr } => Error::NoDeviceForAddress { addr: *addr },
             Error::DeviceNotFound { name } => Error::DeviceNotFound { name: name.clone() },
             Error::Verbs { op, source } => Error::Verbs {
+                op,
+                source: clone_io(source),
+            },
+            Error::ResourceLimit {
+                resource,
+                limit,
+                op,
+                source,
+            } => Error::ResourceLimit {
+                resource: *resource,
+                limit: *limit,
                 op,
                 source: clone_io(source),
             },

@@ -18,6 +18,9 @@ use tokio::task::JoinSet;
 use tokio_rdma::stats::{ResourceSnapshot, resources};
 use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
 
+mod common;
+use common::example;
+
 #[path = "../examples/shared/pattern.rs"]
 #[allow(dead_code)]
 mod shared;
@@ -309,4 +312,81 @@ async fn connects_to_a_port_without_listener_are_refused_and_leak_nothing() {
     }
     assert_back_to(start, fds, 2).await;
     drop(l);
+}
+
+/// Runs `bin args` as user `nobody` (root's CAP_IPC_LOCK would bypass the
+/// limit) with RLIMIT_MEMLOCK at 64 KiB: less than one stream's ring plus
+/// send buffer. Returns (exit success, stdout, stderr).
+async fn run_with_small_memlock(bin: &std::path::Path, args: &[&str]) -> (bool, String, String) {
+    let out = tokio::process::Command::new("prlimit")
+        .arg("--memlock=65536:65536")
+        .args([
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--",
+        ])
+        .arg(bin)
+        .args(args)
+        .output()
+        .await
+        .expect("prlimit and setpriv (util-linux) run in the guest");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A process that cannot pin one connection's memory gets the typed
+/// resource error at connect, naming RLIMIT_MEMLOCK, its value and how to
+/// raise it (not a failure at its first write); an `auto://` client in the
+/// same situation falls back to TCP and its request succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_memlock_limit_is_a_typed_error_at_connect_and_auto_falls_back() {
+    const PORT: u16 = 7813;
+    let server = tokio::process::Command::new(example("migrate_tcp"))
+        .args(["serve", &format!("auto://{IP}:{PORT}")])
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // Up (as root, no limit) once an RDMA connect works.
+    let addr: SocketAddr = format!("{IP}:{PORT}").parse().unwrap();
+    let mut up = false;
+    for _ in 0..100 {
+        if RdmaStream::connect(addr).await.is_ok() {
+            up = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(up, "the auto:// server came up");
+
+    let (ok, _, stderr) = run_with_small_memlock(
+        &example("echo"),
+        &["client", &addr.to_string(), "--bytes", "4096"],
+    )
+    .await;
+    assert!(!ok, "an rdma connect under a 64 KiB memlock limit fails");
+    assert!(
+        stderr.contains("echo client: connect: ibv_reg_mr failed: locked memory (RLIMIT_MEMLOCK) exhausted (limit 65536 bytes)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("ulimit -l"), "{stderr}");
+
+    let target = format!("auto://{IP}:{PORT}");
+    let (ok, stdout, stderr) = run_with_small_memlock(
+        &example("migrate_tcp"),
+        &["call", &target, "--size", "4096"],
+    )
+    .await;
+    assert!(ok, "auto:// falls back to TCP: {stdout}{stderr}");
+    assert!(
+        stdout.starts_with(&format!("{target}: connected over tcp ")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("server says: served "), "{stdout}");
+    drop(server);
 }

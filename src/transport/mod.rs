@@ -108,6 +108,10 @@ fn fallback_cause(e: &io::Error) -> Option<&'static str> {
     match Error::from_io(e)? {
         Error::Unreachable { .. } => Some("no RDMA route to the peer"),
         Error::ConnectionRefused { .. } => Some("no RDMA listener at the peer"),
+        Error::ResourceLimit {
+            resource: crate::error::Resource::LockedMemory,
+            ..
+        } => Some("cannot register memory (RLIMIT_MEMLOCK reached: raise `ulimit -l`)"),
         Error::Verbs { source, .. } | Error::Pool(PoolError::Registration { source, .. })
             if source.raw_os_error() == Some(libc::ENOMEM) =>
         {
@@ -203,6 +207,19 @@ mod tests {
                 "cannot register memory (RLIMIT_MEMLOCK reached: raise `ulimit -l`)",
             ),
         ];
+        let yes: Vec<(io::Error, &str)> = yes
+            .into_iter()
+            .chain([(
+                Error::ResourceLimit {
+                    resource: crate::error::Resource::LockedMemory,
+                    limit: Some(65536),
+                    op: "ibv_reg_mr",
+                    source: io::Error::from_raw_os_error(libc::ENOMEM),
+                }
+                .into(),
+                "cannot register memory (RLIMIT_MEMLOCK reached: raise `ulimit -l`)",
+            )])
+            .collect();
         for (e, cause) in &yes {
             assert_eq!(fallback_cause(e), Some(*cause), "{e}");
         }
@@ -227,6 +244,13 @@ mod tests {
             Error::Verbs {
                 op: "ibv_create_qp",
                 source: io::Error::from_raw_os_error(libc::EINVAL),
+            }
+            .into(),
+            Error::ResourceLimit {
+                resource: crate::error::Resource::FileDescriptors,
+                limit: Some(1024),
+                op: "ibv_create_comp_channel",
+                source: io::Error::from_raw_os_error(libc::EMFILE),
             }
             .into(),
             io::Error::new(io::ErrorKind::ConnectionRefused, "not ours"),

@@ -27,7 +27,7 @@ use rdma_mummy_sys::{
 };
 use tokio::io::unix::AsyncFd;
 
-use super::count::{Counted, Kind};
+use super::count::{Counted, DeviceLimits, Kind, classify};
 use crate::error::{Error, Result};
 
 /// The rdma_cm event types this crate acts on (`enum rdma_cm_event_type`).
@@ -124,10 +124,12 @@ impl EventChannel {
                     library: "librdmacm.so.1",
                 },
                 Some(libc::ENODEV) | Some(libc::ENOENT) | Some(libc::ENOSYS) => Error::NoDevice,
-                _ => Error::Verbs {
-                    op: "rdma_create_event_channel",
+                _ => classify(
+                    "rdma_create_event_channel",
+                    Kind::CmEventChannel,
+                    &DeviceLimits::default(),
                     source,
-                },
+                ),
             });
         };
         let chan = RawChannel(raw);

@@ -83,10 +83,15 @@ pub(crate) fn snapshot() -> ResourceSnapshot {
 mod tests {
     use super::*;
 
+    /// Tests that count objects run one at a time.
+    pub(super) static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn counts_follow_the_objects() {
         // Other tests of this binary create no verbs objects (there is no
-        // device on the host), so the deltas are exact.
+        // device on the host), and the ones that count run one at a time,
+        // so the deltas are exact.
+        let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let before = snapshot();
         let qp = Counted::new(Kind::QueuePair);
         let mr = Counted::memory_region(65536);
@@ -99,5 +104,180 @@ mod tests {
         assert_eq!(snapshot().registered_bytes, before.registered_bytes + 4096);
         drop((qp, mr2));
         assert_eq!(snapshot(), before);
+    }
+}
+
+/// The device limits [`classify`] compares the live counts with
+/// (`ibv_device_attr`; 0 where unknown).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct DeviceLimits {
+    pub max_qp: u64,
+    pub max_cq: u64,
+    pub max_mr: u64,
+    pub max_mw: u64,
+}
+
+/// The soft limit of `resource` for this process (`getrlimit`);
+/// `u64::MAX` for unlimited, `None` if it cannot be read.
+fn rlimit(resource: libc::__rlimit_resource_t) -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid, writable rlimit for the call's duration.
+    let ok = unsafe { libc::getrlimit(resource, &mut r) } == 0;
+    let cur = if r.rlim_cur == libc::RLIM_INFINITY {
+        u64::MAX
+    } else {
+        r.rlim_cur
+    };
+    ok.then_some(cur)
+}
+
+/// The error for a failed creation of `kind` by `op`: a typed
+/// [`Error::ResourceLimit`] when the errno says a process or device limit
+/// was reached, [`Error::Verbs`] otherwise.
+///
+/// `EMFILE`/`ENFILE` are file descriptors. `ENOMEM` from `ibv_reg_mr` is
+/// the device's `max_mr` when that many regions are live, else
+/// `RLIMIT_MEMLOCK` (the usual cause). `ENOMEM`, `ENOSPC` or `EINVAL` from
+/// creating a QP, CQ or window is the device's limit when that many are
+/// live; otherwise the errno stands as it is.
+pub(crate) fn classify(
+    op: &'static str,
+    kind: Kind,
+    limits: &DeviceLimits,
+    source: std::io::Error,
+) -> crate::error::Error {
+    use crate::error::{Error, Resource};
+    let errno = source.raw_os_error();
+    let live = LIVE[kind as usize].load(Ordering::Relaxed);
+    let device =
+        |resource: Resource, max: u64| (max > 0 && live >= max).then_some((resource, Some(max)));
+    let found = match (errno, kind) {
+        (Some(libc::EMFILE | libc::ENFILE), _) => {
+            Some((Resource::FileDescriptors, rlimit(libc::RLIMIT_NOFILE)))
+        }
+        (Some(libc::ENOMEM | libc::EAGAIN), Kind::MemoryRegion) => {
+            device(Resource::MemoryRegions, limits.max_mr)
+                .or(Some((Resource::LockedMemory, rlimit(libc::RLIMIT_MEMLOCK))))
+        }
+        (Some(libc::ENOMEM | libc::ENOSPC | libc::EINVAL), Kind::QueuePair) => {
+            device(Resource::QueuePairs, limits.max_qp)
+        }
+        (Some(libc::ENOMEM | libc::ENOSPC | libc::EINVAL), Kind::CompletionQueue) => {
+            device(Resource::CompletionQueues, limits.max_cq)
+        }
+        (Some(libc::ENOMEM | libc::ENOSPC | libc::EINVAL), Kind::MemoryWindow) => {
+            device(Resource::MemoryWindows, limits.max_mw)
+        }
+        _ => None,
+    };
+    match found {
+        Some((resource, limit)) => Error::ResourceLimit {
+            resource,
+            limit,
+            op,
+            source,
+        },
+        None => Error::Verbs { op, source },
+    }
+}
+
+#[cfg(test)]
+mod classify_tests {
+    use super::*;
+    use crate::error::{Error, Resource};
+    use std::io;
+
+    fn os(code: i32) -> io::Error {
+        io::Error::from_raw_os_error(code)
+    }
+
+    #[test]
+    fn errnos_become_typed_resource_errors() {
+        let limits = DeviceLimits {
+            max_qp: 1,
+            max_cq: 1,
+            max_mr: 1 << 40,
+            max_mw: 1,
+        };
+        let memlock = rlimit(libc::RLIMIT_MEMLOCK);
+        match classify("ibv_reg_mr", Kind::MemoryRegion, &limits, os(libc::ENOMEM)) {
+            Error::ResourceLimit {
+                resource: Resource::LockedMemory,
+                limit,
+                op: "ibv_reg_mr",
+                source,
+            } => {
+                assert_eq!(limit, memlock);
+                assert_eq!(source.raw_os_error(), Some(libc::ENOMEM));
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = classify(
+            "ibv_create_comp_channel",
+            Kind::CompletionChannel,
+            &limits,
+            os(libc::EMFILE),
+        );
+        assert!(
+            matches!(e, Error::ResourceLimit { resource: Resource::FileDescriptors, limit, .. } if limit == rlimit(libc::RLIMIT_NOFILE)),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "ibv_create_comp_channel failed: file descriptors (RLIMIT_NOFILE) exhausted"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("ulimit -n"), "{text}");
+        assert_eq!(io::Error::from(e).raw_os_error(), None);
+
+        // One QP live against a device limit of 1: the device's limit.
+        let _serial = super::tests::SERIAL
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let _qp = Counted::new(Kind::QueuePair);
+        let e = classify("ibv_create_qp", Kind::QueuePair, &limits, os(libc::ENOMEM));
+        assert!(
+            matches!(
+                e,
+                Error::ResourceLimit {
+                    resource: Resource::QueuePairs,
+                    limit: Some(1),
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "ibv_create_qp failed: device queue pairs exhausted (limit 1): {}; {}",
+                os(libc::ENOMEM),
+                Resource::QueuePairs.hint()
+            )
+        );
+        // Below the device's limit an errno is not guessed at.
+        let roomy = DeviceLimits {
+            max_qp: 1 << 20,
+            ..limits
+        };
+        assert!(matches!(
+            classify("ibv_create_qp", Kind::QueuePair, &roomy, os(libc::EINVAL)),
+            Error::Verbs {
+                op: "ibv_create_qp",
+                ..
+            }
+        ));
+        assert!(matches!(
+            classify("ibv_reg_mr", Kind::MemoryRegion, &limits, os(libc::EFAULT)),
+            Error::Verbs {
+                op: "ibv_reg_mr",
+                ..
+            }
+        ));
     }
 }

@@ -22,9 +22,9 @@ use std::sync::Arc;
 
 use rdma_mummy_sys::{ibv_alloc_mw, ibv_dealloc_mw, ibv_inc_rkey, ibv_mw, ibv_mw_type};
 
-use super::count::{Counted, Kind};
+use super::count::{Counted, Kind, classify};
 use super::rc::OpenDevice;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// What a window lets the peer do with the bytes it covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,9 +59,13 @@ impl MemoryWindow {
     pub(crate) fn alloc(device: &Arc<OpenDevice>) -> Result<MemoryWindow> {
         // SAFETY: the PD is valid while `device` lives (we keep an Arc).
         let raw = unsafe { ibv_alloc_mw(device.pd.pd().as_ptr(), ibv_mw_type::IBV_MW_TYPE_2) };
-        let mw = NonNull::new(raw).ok_or_else(|| Error::Verbs {
-            op: "ibv_alloc_mw",
-            source: io::Error::last_os_error(),
+        let mw = NonNull::new(raw).ok_or_else(|| {
+            classify(
+                "ibv_alloc_mw",
+                Kind::MemoryWindow,
+                &device.limits,
+                io::Error::last_os_error(),
+            )
         })?;
         // SAFETY: just allocated, valid.
         let rkey = unsafe { mw.as_ref().rkey };

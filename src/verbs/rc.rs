@@ -40,7 +40,7 @@ use sideway::ibverbs::queue_pair::{
 use tokio::io::unix::AsyncFd;
 
 use super::cm::CmId;
-use super::count::{Counted, Kind};
+use super::count::{Counted, DeviceLimits, Kind, classify};
 use super::mw::{MemoryWindow, WindowAccess};
 use crate::error::{Error, Result};
 
@@ -67,6 +67,8 @@ pub(crate) struct OpenDevice {
     /// Memory windows the device supports (`ibv_device_attr::max_mw`); 0
     /// for providers without them.
     pub(crate) max_mw: u32,
+    /// The device's object limits, for typed resource errors.
+    pub(crate) limits: DeviceLimits,
     /// Idle stream send buffers on `pd`, kept for the next stream that has
     /// data to send (at most [`SEND_BUFFER_CACHE_BYTES`] in all).
     send_buffers: Mutex<Vec<(RegisteredBuffer, Counted)>>,
@@ -97,7 +99,7 @@ impl OpenDevice {
         };
         match cached {
             Some(b) => Ok(b),
-            None => RegisteredBuffer::new(&self.pd, len, AccessFlags::LocalWrite),
+            None => RegisteredBuffer::new(&self.pd, len, AccessFlags::LocalWrite, &self.limits),
         }
     }
 
@@ -135,15 +137,27 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         op: "ibv_alloc_pd",
         source: errno_of!(e, AllocateProtectionDomainErrorKind::Ibverbs),
     })?;
-    let max_mw = ctx
-        .query_device()
+    let attr = ctx.query_device().ok();
+    let max_mw = attr
+        .as_ref()
         .map(|a| u32::try_from(a.max_mw()).unwrap_or(0))
         .unwrap_or(0);
+    let limit = |v: i32| u64::try_from(v).unwrap_or(0);
+    let limits = attr
+        .as_ref()
+        .map(|a| DeviceLimits {
+            max_qp: limit(a.max_qp()),
+            max_cq: limit(a.max_cq()),
+            max_mr: limit(a.max_mr()),
+            max_mw: limit(a.max_mw()),
+        })
+        .unwrap_or_default();
     let d = Arc::new(OpenDevice {
         name: name.to_string(),
         pd,
         ctx,
         max_mw,
+        limits,
         send_buffers: Mutex::new(Vec::new()),
         _counted_pd: Counted::new(Kind::ProtectionDomain),
     });
@@ -273,7 +287,17 @@ unsafe impl Send for RegisteredBuffer {}
 unsafe impl Sync for RegisteredBuffer {}
 
 impl RegisteredBuffer {
-    pub(crate) fn new(pd: &Arc<ProtectionDomain>, len: usize, access: AccessFlags) -> Result<Self> {
+    /// Allocates and registers `len` bytes on `pd`.
+    ///
+    /// # Errors
+    /// [`Error::ResourceLimit`] at RLIMIT_MEMLOCK or the device's `max_mr`
+    /// (from `limits`), [`Error::Verbs`] for other failures.
+    pub(crate) fn new(
+        pd: &Arc<ProtectionDomain>,
+        len: usize,
+        access: AccessFlags,
+        limits: &DeviceLimits,
+    ) -> Result<Self> {
         let layout = Layout::from_size_align(len.max(1), 4096).map_err(|_| Error::Verbs {
             op: "alloc",
             source: io::Error::from(io::ErrorKind::InvalidInput),
@@ -290,10 +314,12 @@ impl RegisteredBuffer {
             Err(e) => {
                 // SAFETY: allocated above with this layout, never registered.
                 unsafe { dealloc(ptr.as_ptr(), layout) };
-                return Err(Error::Verbs {
-                    op: "ibv_reg_mr",
-                    source: reg_mr_errno(e),
-                });
+                return Err(classify(
+                    "ibv_reg_mr",
+                    Kind::MemoryRegion,
+                    limits,
+                    reg_mr_errno(e),
+                ));
             }
         };
         Ok(RegisteredBuffer {
@@ -544,9 +570,14 @@ impl RcQueuePair {
     /// Creates the CQ (with a non-blocking completion channel registered on
     /// the current tokio runtime), the QP in RESET, and both buffers.
     pub(crate) fn new(device: Arc<OpenDevice>, sizes: RcSizes) -> Result<Self> {
-        let chan = CompletionChannel::new(&device.ctx).map_err(|e| Error::Verbs {
-            op: "ibv_create_comp_channel",
-            source: errno_of!(e, CreateCompletionChannelErrorKind::Ibverbs),
+        let limits = &device.limits;
+        let chan = CompletionChannel::new(&device.ctx).map_err(|e| {
+            classify(
+                "ibv_create_comp_channel",
+                Kind::CompletionChannel,
+                limits,
+                errno_of!(e, CreateCompletionChannelErrorKind::Ibverbs),
+            )
         })?;
         let mut counted = vec![Counted::new(Kind::CompletionChannel)];
         chan.set_nonblocking(true)
@@ -557,9 +588,13 @@ impl RcQueuePair {
             .setup_cqe(sizes.send_depth + sizes.recv_depth + 16)
             .setup_comp_channel(&chan, 0)
             .build()
-            .map_err(|e| Error::Verbs {
-                op: "ibv_create_cq",
-                source: errno_of!(e, CreateCompletionQueueErrorKind::Ibverbs),
+            .map_err(|e| {
+                classify(
+                    "ibv_create_cq",
+                    Kind::CompletionQueue,
+                    limits,
+                    errno_of!(e, CreateCompletionQueueErrorKind::Ibverbs),
+                )
             })?;
         counted.push(Counted::new(Kind::CompletionQueue));
         let ring_isolation = if sizes.recv_ring == 0 {
@@ -589,20 +624,29 @@ impl RcQueuePair {
             .setup_send_cq(Arc::clone(&cq))
             .setup_recv_cq(Arc::clone(&cq))
             .build()
-            .map_err(|e| Error::Verbs {
-                op: "ibv_create_qp",
-                source: errno_of!(e, CreateQueuePairErrorKind::Ibverbs),
+            .map_err(|e| {
+                classify(
+                    "ibv_create_qp",
+                    Kind::QueuePair,
+                    limits,
+                    errno_of!(e, CreateQueuePairErrorKind::Ibverbs),
+                )
             })?;
         counted.push(Counted::new(Kind::QueuePair));
         // A QP on a PD of its own cannot use the device's cached buffers.
         let send_buf_on_demand = sizes.send_buf_on_demand && ring_isolation != RingIsolation::OwnPd;
+        // An on-demand buffer is taken now too and given back once the
+        // connection is idle: a process that cannot pin one busy
+        // connection's memory (RLIMIT_MEMLOCK) fails at connect or accept,
+        // where `auto://` can still fall back to TCP, not at its first write.
         let send_buf = if send_buf_on_demand {
-            None
+            Some(device.take_send_buffer(sizes.send_buf)?)
         } else {
             Some(RegisteredBuffer::new(
                 &pd,
                 sizes.send_buf,
                 AccessFlags::LocalWrite,
+                limits,
             )?)
         };
         let ring_access = match ring_isolation {
@@ -610,7 +654,7 @@ impl RcQueuePair {
             RingIsolation::Window => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
             RingIsolation::OwnPd => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
         };
-        let recv_ring = RegisteredBuffer::new(&pd, sizes.recv_ring, ring_access)?;
+        let recv_ring = RegisteredBuffer::new(&pd, sizes.recv_ring, ring_access, limits)?;
         let ring_window = match ring_isolation {
             RingIsolation::Window => Some(MemoryWindow::alloc(&device)?),
             _ => None,

@@ -1,0 +1,624 @@
+//! Echo benchmark the way perftest and users run one: server and client in
+//! separate processes, a closed loop of K requests of P bytes in flight on
+//! one connection, the current_thread or multi-thread runtime, latency as
+//! p50, mean, p99 and p99.9 (hdrhistogram), requests/s and the CPU time of
+//! both processes per round trip; `suite` runs every case plus perftest on
+//! the same device and prints the table with ratios.
+//!
+//! ```text
+//! echo_bench server rdma://10.11.0.1:7700 [--runtime multi] [--busy-poll-us 200]
+//! echo_bench client rdma://10.11.0.1:7700 --size 64 --in-flight 1 --requests 20000
+//! echo_bench suite --ip 10.11.0.1 --device rxe0        # integration/bench-echo
+//! ```
+//!
+//! Addresses go through the transport switch, so `tcp://` runs the same
+//! workload over the kernel's TCP. CPU time is read from `/proc/self/stat`
+//! (user + system, all threads, 10 ms ticks); runs last seconds, so the
+//! tick is below 1 % of it. Under the TCG guest every clock read is a
+//! syscall (no vDSO), so each latency sample costs two syscalls that a host
+//! with a vDSO clock does not pay; the syscall count leaves them out.
+
+use std::collections::VecDeque;
+use std::net::IpAddr;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use hdrhistogram::Histogram;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio_rdma::RdmaConfig;
+use tokio_rdma::transport::{Listener, Stream, TransportAddr};
+
+#[path = "shared/perftest.rs"]
+mod perftest;
+use perftest::ratio;
+
+#[derive(Parser)]
+#[command(about = "two-process echo benchmark: RdmaStream vs TCP vs perftest")]
+struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Flavor {
+    /// `tokio::runtime::Builder::new_current_thread`.
+    Current,
+    /// `new_multi_thread` with 2 workers (what `#[tokio::main]` gives on
+    /// a 2-CPU guest).
+    Multi,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Echo every connection until EOF. Prints `listening PORT`, then for
+    /// each closed connection `closed BYTES CPU_US` (CPU time of this
+    /// process so far, microseconds).
+    Server {
+        /// tcp://, rdma:// or auto://host:port (port 0 picks one).
+        addr: TransportAddr,
+        #[arg(long, value_enum, default_value = "current")]
+        runtime: Flavor,
+        /// RdmaConfig::busy_poll budget, microseconds (0: park at once).
+        #[arg(long, default_value_t = 0)]
+        busy_poll_us: u64,
+    },
+    /// One closed-loop run; prints one `result key=value ...` line.
+    Client {
+        addr: TransportAddr,
+        /// Request (and response) bytes.
+        #[arg(long, default_value_t = 64)]
+        size: usize,
+        /// Requests in flight.
+        #[arg(long, default_value_t = 1)]
+        in_flight: usize,
+        /// Measured requests.
+        #[arg(long, default_value_t = 20_000)]
+        requests: u64,
+        /// Requests before measuring (not recorded).
+        #[arg(long, default_value_t = 500)]
+        warmup: u64,
+        #[arg(long, value_enum, default_value = "current")]
+        runtime: Flavor,
+        #[arg(long, default_value_t = 0)]
+        busy_poll_us: u64,
+    },
+    /// Every case, each in a fresh server process, plus perftest.
+    Suite {
+        /// IP of the RDMA interface (server and client run here).
+        #[arg(long, default_value = "10.11.0.1")]
+        ip: IpAddr,
+        /// RDMA device for perftest.
+        #[arg(long, default_value = "rxe0")]
+        device: String,
+        /// GID index for perftest (`-x`): the RoCE v2 GID of `ip`.
+        #[arg(long, default_value_t = 1)]
+        gid_index: u32,
+        /// Measured requests per 64 B case (bulk cases run a quarter).
+        #[arg(long, default_value_t = 20_000)]
+        requests: u64,
+        /// Also count syscalls (strace -c -f of both processes) in a
+        /// separate short run of the 64 B cases.
+        #[arg(long)]
+        strace: bool,
+    },
+}
+
+fn runtime(flavor: Flavor) -> tokio::runtime::Runtime {
+    match flavor {
+        Flavor::Current => tokio::runtime::Builder::new_current_thread(),
+        Flavor::Multi => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(2);
+            b
+        }
+    }
+    .enable_all()
+    .build()
+    .expect("tokio runtime")
+}
+
+fn config(busy_poll_us: u64) -> RdmaConfig {
+    RdmaConfig::new().busy_poll(Duration::from_micros(busy_poll_us))
+}
+
+/// User + system CPU time of this process (all threads), microseconds.
+fn cpu_us() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields of the line, in clock ticks (100 per second).
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
+    ticks * 10_000
+}
+
+async fn serve(addr: TransportAddr, cfg: RdmaConfig) -> std::io::Result<()> {
+    let listener = Listener::bind_with(&addr, &cfg).await?;
+    println!("listening {}", listener.local_addr()?.port());
+    loop {
+        let (mut s, _) = listener.accept().await?;
+        s.set_nodelay(true)?;
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 256 * 1024];
+            let mut total = 0u64;
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if s.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                        total += n as u64;
+                    }
+                }
+            }
+            println!("closed {total} {}", cpu_us());
+        });
+    }
+}
+
+struct Run {
+    hist: Histogram<u64>,
+    secs: f64,
+    cpu_us: u64,
+}
+
+/// K requests of `size` bytes in flight until `warmup + requests` came
+/// back; the last `requests` are timed.
+async fn closed_loop(
+    addr: TransportAddr,
+    cfg: RdmaConfig,
+    size: usize,
+    in_flight: usize,
+    requests: u64,
+    warmup: u64,
+) -> std::io::Result<Run> {
+    let mut s = Stream::connect_with(&addr, &cfg).await?;
+    s.set_nodelay(true)?;
+    let total = warmup + requests;
+    let mut hist = Histogram::<u64>::new(3).expect("histogram");
+    let req = vec![0x5au8; size];
+    let mut resp = vec![0u8; size];
+    let (mut start, mut cpu0) = (Instant::now(), cpu_us());
+    if in_flight <= 1 {
+        for i in 0..total {
+            if i == warmup {
+                (start, cpu0) = (Instant::now(), cpu_us());
+            }
+            let t = Instant::now();
+            s.write_all(&req).await?;
+            s.read_exact(&mut resp).await?;
+            if i >= warmup {
+                hist.record(t.elapsed().as_nanos() as u64).expect("record");
+            }
+        }
+    } else {
+        let (mut rd, mut wr) = tokio::io::split(s);
+        let sent: Arc<Mutex<VecDeque<Instant>>> = Arc::default();
+        let (tokens, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+        for _ in 0..in_flight {
+            tokens.send(()).expect("tokens");
+        }
+        let q = Arc::clone(&sent);
+        let writer = tokio::spawn(async move {
+            let mut n = 0;
+            while n < total {
+                if rx.recv().await.is_none() {
+                    break;
+                }
+                q.lock().unwrap().push_back(Instant::now());
+                wr.write_all(&req).await?;
+                n += 1;
+            }
+            Ok::<_, std::io::Error>(wr)
+        });
+        for i in 0..total {
+            if i == warmup {
+                (start, cpu0) = (Instant::now(), cpu_us());
+            }
+            rd.read_exact(&mut resp).await?;
+            let t = sent
+                .lock()
+                .unwrap()
+                .pop_front()
+                .expect("a request per response");
+            if i >= warmup {
+                hist.record(t.elapsed().as_nanos() as u64).expect("record");
+            }
+            let _ = tokens.send(());
+        }
+        drop(tokens);
+        let wr = writer.await.expect("writer")?;
+        s = rd.unsplit(wr);
+    }
+    let run = Run {
+        hist,
+        secs: start.elapsed().as_secs_f64(),
+        cpu_us: cpu_us() - cpu0,
+    };
+    s.shutdown().await?;
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).await?;
+    Ok(run)
+}
+
+fn main() -> std::process::ExitCode {
+    match Args::parse().cmd {
+        Cmd::Server {
+            addr,
+            runtime: flavor,
+            busy_poll_us,
+        } => {
+            if let Err(e) = runtime(flavor).block_on(serve(addr, config(busy_poll_us))) {
+                eprintln!("echo_bench server: {e}");
+                return std::process::ExitCode::FAILURE;
+            }
+        }
+        Cmd::Client {
+            addr,
+            size,
+            in_flight,
+            requests,
+            warmup,
+            runtime: flavor,
+            busy_poll_us,
+        } => {
+            let cfg = config(busy_poll_us);
+            match runtime(flavor)
+                .block_on(closed_loop(addr, cfg, size, in_flight, requests, warmup))
+            {
+                Ok(r) => {
+                    let h = &r.hist;
+                    println!(
+                        "result requests={requests} warmup={warmup} secs={:.6} p50_ns={} mean_ns={:.0} p99_ns={} p999_ns={} max_ns={} cpu_us={}",
+                        r.secs,
+                        h.value_at_quantile(0.5),
+                        h.mean(),
+                        h.value_at_quantile(0.99),
+                        h.value_at_quantile(0.999),
+                        h.max(),
+                        r.cpu_us
+                    );
+                }
+                Err(e) => {
+                    eprintln!("echo_bench client: {e}");
+                    return std::process::ExitCode::FAILURE;
+                }
+            }
+        }
+        Cmd::Suite {
+            ip,
+            device,
+            gid_index,
+            requests,
+            strace,
+        } => {
+            let rt = runtime(Flavor::Multi);
+            rt.block_on(suite(ip, device, gid_index, requests, strace));
+        }
+    }
+    std::process::ExitCode::SUCCESS
+}
+
+/// One benchmark case.
+#[derive(Clone)]
+struct Case {
+    name: &'static str,
+    scheme: &'static str,
+    size: usize,
+    in_flight: usize,
+    runtime: Flavor,
+    busy_poll_us: u64,
+}
+
+/// A finished case: the client's `result` fields and the server's CPU.
+struct Outcome {
+    p50: f64,
+    mean: f64,
+    p99: f64,
+    p999: f64,
+    rps: f64,
+    cpu_per_rt_us: f64,
+    syscalls_per_rt: Option<f64>,
+}
+
+fn flavor_arg(f: Flavor) -> &'static str {
+    match f {
+        Flavor::Current => "current",
+        Flavor::Multi => "multi",
+    }
+}
+
+fn field(line: &str, key: &str) -> f64 {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Syscalls in an `strace -c` summary, clock reads left out (no vDSO in
+/// the TCG guest: a host pays none for them).
+fn syscalls(summary: &str) -> f64 {
+    summary
+        .lines()
+        .filter_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            // % time, seconds, usecs/call, calls, [errors], syscall
+            let name = *cols.last()?;
+            let calls: f64 = cols.get(3)?.parse().ok()?;
+            let clock = matches!(name, "clock_gettime" | "gettimeofday" | "clock_getres");
+            (!clock && name != "total").then_some(calls)
+        })
+        .sum()
+}
+
+async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<Outcome> {
+    let me = std::env::current_exe().ok()?;
+    let dir = std::env::temp_dir();
+    let trace = |who: &str| dir.join(format!("echo_bench.{who}.strace"));
+    let wrap = |who: &str| -> tokio::process::Command {
+        if strace {
+            let mut cmd = tokio::process::Command::new("strace");
+            cmd.args(["-f", "-c", "-o"]).arg(trace(who)).arg(&me);
+            cmd
+        } else {
+            tokio::process::Command::new(&me)
+        }
+    };
+    let mut server = wrap("server")
+        .args([
+            "server",
+            &format!("{}://{ip}:0", c.scheme),
+            "--runtime",
+            flavor_arg(c.runtime),
+            "--busy-poll-us",
+            &c.busy_poll_us.to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .ok()?;
+    let mut lines = BufReader::new(server.stdout.take()?).lines();
+    let port = lines.next_line().await.ok()??;
+    let port = port.strip_prefix("listening ")?.to_string();
+    let warmup = 500.min(requests / 4);
+    let out = wrap("client")
+        .args([
+            "client",
+            &format!("{}://{ip}:{port}", c.scheme),
+            "--size",
+            &c.size.to_string(),
+            "--in-flight",
+            &c.in_flight.to_string(),
+            "--requests",
+            &requests.to_string(),
+            "--warmup",
+            &warmup.to_string(),
+            "--runtime",
+            flavor_arg(c.runtime),
+            "--busy-poll-us",
+            &c.busy_poll_us.to_string(),
+        ])
+        .output()
+        .await
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let Some(result) = text.lines().find(|l| l.starts_with("result ")) else {
+        eprintln!(
+            "{}: client failed: {text}{}",
+            c.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return None;
+    };
+    let closed = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .ok()?
+        .ok()??;
+    let server_cpu: f64 = closed.split_whitespace().nth(2)?.parse().ok()?;
+    if strace {
+        // SIGTERM lets strace write its summary.
+        if let Some(pid) = server.id() {
+            let _ = std::process::Command::new("kill")
+                .arg(pid.to_string())
+                .status();
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(10), server.wait()).await;
+    let total = (requests + warmup) as f64;
+    let syscalls_per_rt = strace.then(|| {
+        let s = std::fs::read_to_string(trace("server")).unwrap_or_default();
+        let c = std::fs::read_to_string(trace("client")).unwrap_or_default();
+        (syscalls(&s) + syscalls(&c)) / total
+    });
+    let secs = field(result, "secs");
+    Some(Outcome {
+        p50: field(result, "p50_ns") / 1e3,
+        mean: field(result, "mean_ns") / 1e3,
+        p99: field(result, "p99_ns") / 1e3,
+        p999: field(result, "p999_ns") / 1e3,
+        rps: requests as f64 / secs,
+        // Client: measured requests only; server: its whole life (warm-up
+        // and setup included) spread over every request it echoed.
+        cpu_per_rt_us: field(result, "cpu_us") / requests as f64 + server_cpu / total,
+        syscalls_per_rt,
+    })
+}
+
+async fn suite(ip: IpAddr, device: String, gid_index: u32, requests: u64, strace: bool) {
+    let case = |name, scheme, size, in_flight, runtime, busy_poll_us| Case {
+        name,
+        scheme,
+        size,
+        in_flight,
+        runtime,
+        busy_poll_us,
+    };
+    use Flavor::{Current, Multi};
+    let latency = [
+        case(
+            "RdmaStream, current_thread, parked",
+            "rdma",
+            64,
+            1,
+            Current,
+            0,
+        ),
+        case(
+            "RdmaStream, multi-thread (2), parked",
+            "rdma",
+            64,
+            1,
+            Multi,
+            0,
+        ),
+        case(
+            "RdmaStream, current_thread, busy_poll 200 us",
+            "rdma",
+            64,
+            1,
+            Current,
+            200,
+        ),
+        case("TCP, current_thread", "tcp", 64, 1, Current, 0),
+    ];
+    let bulk = [
+        case(
+            "RdmaStream 8 KiB x 8, current_thread",
+            "rdma",
+            8192,
+            8,
+            Current,
+            0,
+        ),
+        case("TCP 8 KiB x 8, current_thread", "tcp", 8192, 8, Current, 0),
+        case(
+            "RdmaStream 64 KiB x 8, current_thread",
+            "rdma",
+            65536,
+            8,
+            Current,
+            0,
+        ),
+        case(
+            "TCP 64 KiB x 8, current_thread",
+            "tcp",
+            65536,
+            8,
+            Current,
+            0,
+        ),
+    ];
+    let common = vec![
+        "-d".to_string(),
+        device,
+        "-x".into(),
+        gid_index.to_string(),
+        "-F".into(),
+    ];
+    let mut lat = common.clone();
+    lat.extend(["-s".into(), "64".into(), "-n".into(), requests.to_string()]);
+    // ib_send_lat prints one-way times (half a round trip): doubled here.
+    // Columns: #bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%.
+    let ib = perftest::run("ib_send_lat", &lat, ip, 18520)
+        .await
+        .and_then(|o| perftest::row(&o))
+        .map(|v| v.iter().map(|x| x * 2.0).collect::<Vec<f64>>());
+    let ib_col = |i: usize| ib.as_ref().and_then(|v| v.get(i).copied());
+    let (ib_p50, ib_mean, ib_p99, ib_p999) = (ib_col(4), ib_col(5), ib_col(7), ib_col(8));
+
+    println!();
+    println!(
+        "64 B round trip, one connection, 1 in flight (us)   p50     mean      p99    p99.9     req/s  CPU us/rt  mean/ib  p99/ib"
+    );
+    match (ib_p50, ib_mean, ib_p99, ib_p999) {
+        (Some(a), Some(b), Some(c), Some(d)) => println!(
+            "  {:<48} {a:>7.1} {b:>8.1} {c:>8.1} {d:>8.1} {:>9.0} {:>10.1}     1.00    1.00",
+            "ib_send_lat x2 (raw verbs, busy-poll)",
+            1e6 / b,
+            // Both perftest processes spin for the whole round trip.
+            2.0 * b
+        ),
+        _ => println!("  ib_send_lat x2 (raw verbs)   n/a (perftest failed)"),
+    }
+    for c in &latency {
+        match run_case(ip, c, requests, false).await {
+            Some(o) => println!(
+                "  {:<48} {:>7.1} {:>8.1} {:>8.1} {:>8.1} {:>9.0} {:>10.1} {:>8} {:>7}",
+                c.name,
+                o.p50,
+                o.mean,
+                o.p99,
+                o.p999,
+                o.rps,
+                o.cpu_per_rt_us,
+                ratio(o.mean, ib_mean),
+                ratio(o.p99, ib_p99)
+            ),
+            None => println!("  {:<48} failed", c.name),
+        }
+    }
+
+    println!();
+    println!(
+        "echo, K in flight (us)                               p50     mean      p99    p99.9     req/s  CPU us/rt  MB/s each way  vs ib_write_bw"
+    );
+    for c in &bulk {
+        let mut bw = common.clone();
+        bw.extend(["-s".into(), c.size.to_string(), "-D".into(), "4".into()]);
+        let ib_bw = if c.scheme == "rdma" {
+            // perftest's "MB/sec" is MiB/s; ours is 10^6 bytes/s.
+            perftest::run("ib_write_bw", &bw, ip, 18521)
+                .await
+                .and_then(|o| perftest::row(&o))
+                .and_then(|v| v.get(3).copied())
+                .map(|m| m * 1.048576)
+        } else {
+            None
+        };
+        match run_case(ip, c, (requests / 4).max(100), false).await {
+            Some(o) => {
+                let mbs = o.rps * c.size as f64 / 1e6;
+                println!(
+                    "  {:<48} {:>7.1} {:>8.1} {:>8.1} {:>8.1} {:>9.0} {:>10.1} {:>14.2} {:>15}",
+                    c.name,
+                    o.p50,
+                    o.mean,
+                    o.p99,
+                    o.p999,
+                    o.rps,
+                    o.cpu_per_rt_us,
+                    mbs,
+                    if ib_bw.is_some() {
+                        format!("{} ({:.2})", ratio(mbs, ib_bw), ib_bw.unwrap_or(0.0))
+                    } else {
+                        "-".into()
+                    }
+                );
+            }
+            None => println!("  {:<48} failed", c.name),
+        }
+    }
+
+    if strace {
+        println!();
+        println!(
+            "syscalls per round trip, both processes, clock reads left out (strace -c -f; perftest: 2)"
+        );
+        for c in &latency {
+            match run_case(ip, c, 2000, true).await {
+                Some(o) => println!(
+                    "  {:<48} {:>7.1}",
+                    c.name,
+                    o.syscalls_per_rt.unwrap_or(f64::NAN)
+                ),
+                None => println!("  {:<48} failed", c.name),
+            }
+        }
+    }
+}

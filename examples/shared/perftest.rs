@@ -1,0 +1,63 @@
+//! Running perftest (the raw-verbs reference) from the benchmarks: a server
+//! and a client of one tool on this host, and the numbers of its result row.
+
+use std::net::IpAddr;
+use std::process::Stdio;
+use std::time::Duration;
+
+/// Runs a perftest server and client of `tool` with `args` on `port`
+/// (client to `addr`); returns the client's stdout, or `None` when the tool
+/// is missing or timed out.
+pub async fn run(tool: &str, args: &[String], addr: IpAddr, port: u16) -> Option<String> {
+    let mut base: Vec<String> = args.to_vec();
+    base.extend(["-p".into(), port.to_string()]);
+    let mut server = tokio::process::Command::new(tool)
+        .args(&base)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .ok()?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut cargs = base.clone();
+    cargs.push(addr.to_string());
+    let out = tokio::time::timeout(
+        Duration::from_secs(180),
+        tokio::process::Command::new(tool).args(&cargs).output(),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let _ = tokio::time::timeout(Duration::from_secs(5), server.wait()).await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if row(&text).is_none() {
+        eprintln!(
+            "{tool} {} gave no result:\n{text}{}",
+            cargs.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Some(text)
+}
+
+/// The data row after perftest's `#bytes` header: its numeric columns.
+pub fn row(out: &str) -> Option<Vec<f64>> {
+    let mut lines = out.lines();
+    lines
+        .by_ref()
+        .find(|l| l.trim_start().starts_with("#bytes"))?;
+    let row = lines.find(|l| !l.trim().is_empty())?;
+    let v: Vec<f64> = row
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    (!v.is_empty()).then_some(v)
+}
+
+/// `a / b` to two places, or `n/a` without a reference.
+pub fn ratio(a: f64, b: Option<f64>) -> String {
+    match b {
+        Some(b) if b > 0.0 => format!("{:.2}", a / b),
+        _ => "n/a".into(),
+    }
+}
