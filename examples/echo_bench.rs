@@ -102,6 +102,16 @@ enum Cmd {
         /// separate short run of the 64 B cases.
         #[arg(long)]
         strace: bool,
+        /// The servers run on this other host (two hosts on a wire):
+        /// `echo_bench server` on the ports of [`remote_port`] and perftest
+        /// servers on 18520 (ib_send_lat -s 64), 18521 (ib_write_bw -s
+        /// 8192) and 18522 (-s 65536), restarted after each run
+        /// (`integration/bench-pair-guest`). CPU is then this side's only.
+        #[arg(long)]
+        server_ip: Option<IpAddr>,
+        /// A heading for the tables (for example the wire's condition).
+        #[arg(long, default_value = "")]
+        label: String,
     },
 }
 
@@ -297,9 +307,13 @@ fn main() -> std::process::ExitCode {
             gid_index,
             requests,
             strace,
+            server_ip,
+            label,
         } => {
             let rt = runtime(Flavor::Multi);
-            rt.block_on(suite(ip, device, gid_index, requests, strace));
+            rt.block_on(suite(
+                ip, device, gid_index, requests, strace, server_ip, &label,
+            ));
         }
     }
     std::process::ExitCode::SUCCESS
@@ -355,6 +369,63 @@ fn syscalls(summary: &str) -> f64 {
             (!clock && name != "total").then_some(calls)
         })
         .sum()
+}
+
+/// The port of the long-running server for `c` on another host: 7701
+/// rdma current_thread, 7702 rdma multi-thread, 7703 rdma busy_poll 200 us,
+/// 7704 tcp.
+fn remote_port(c: &Case) -> u16 {
+    match (c.scheme, c.runtime, c.busy_poll_us) {
+        ("tcp", _, _) => 7704,
+        (_, Flavor::Multi, _) => 7702,
+        (_, _, 0) => 7701,
+        _ => 7703,
+    }
+}
+
+/// Runs the client of `c` against the server for it on `peer`.
+async fn run_remote_case(peer: IpAddr, c: &Case, requests: u64) -> Option<Outcome> {
+    let me = std::env::current_exe().ok()?;
+    let warmup = 500.min(requests / 4);
+    let out = tokio::process::Command::new(&me)
+        .args([
+            "client",
+            &format!("{}://{peer}:{}", c.scheme, remote_port(c)),
+            "--size",
+            &c.size.to_string(),
+            "--in-flight",
+            &c.in_flight.to_string(),
+            "--requests",
+            &requests.to_string(),
+            "--warmup",
+            &warmup.to_string(),
+            "--runtime",
+            flavor_arg(c.runtime),
+            "--busy-poll-us",
+            &c.busy_poll_us.to_string(),
+        ])
+        .output()
+        .await
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let Some(result) = text.lines().find(|l| l.starts_with("result ")) else {
+        eprintln!(
+            "{}: client failed: {text}{}",
+            c.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return None;
+    };
+    let secs = field(result, "secs");
+    Some(Outcome {
+        p50: field(result, "p50_ns") / 1e3,
+        mean: field(result, "mean_ns") / 1e3,
+        p99: field(result, "p99_ns") / 1e3,
+        p999: field(result, "p999_ns") / 1e3,
+        rps: requests as f64 / secs,
+        cpu_per_rt_us: field(result, "cpu_us") / requests as f64,
+        syscalls_per_rt: None,
+    })
 }
 
 async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<Outcome> {
@@ -450,7 +521,34 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
     })
 }
 
-async fn suite(ip: IpAddr, device: String, gid_index: u32, requests: u64, strace: bool) {
+async fn suite(
+    ip: IpAddr,
+    device: String,
+    gid_index: u32,
+    requests: u64,
+    strace: bool,
+    server_ip: Option<IpAddr>,
+    label: &str,
+) {
+    let run = |c: Case, n: u64| async move {
+        match server_ip {
+            Some(peer) => run_remote_case(peer, &c, n).await,
+            None => run_case(ip, &c, n, false).await,
+        }
+    };
+    let perf = |tool: &'static str, args: Vec<String>, port: u16| async move {
+        match server_ip {
+            Some(peer) => perftest::client(tool, &args, peer, port).await,
+            None => perftest::run(tool, &args, ip, port).await,
+        }
+    };
+    if !label.is_empty() {
+        println!();
+        println!("== {label}");
+    }
+    if server_ip.is_some() {
+        println!("(servers on {}; CPU per round trip is the client's only)", server_ip.unwrap_or(ip));
+    }
     let case = |name, scheme, size, in_flight, runtime, busy_poll_us| Case {
         name,
         scheme,
@@ -525,7 +623,7 @@ async fn suite(ip: IpAddr, device: String, gid_index: u32, requests: u64, strace
     lat.extend(["-s".into(), "64".into(), "-n".into(), requests.to_string()]);
     // ib_send_lat prints one-way times (half a round trip): doubled here.
     // Columns: #bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%.
-    let ib = perftest::run("ib_send_lat", &lat, ip, 18520)
+    let ib = perf("ib_send_lat", lat, 18520)
         .await
         .and_then(|o| perftest::row(&o))
         .map(|v| v.iter().map(|x| x * 2.0).collect::<Vec<f64>>());
@@ -547,7 +645,7 @@ async fn suite(ip: IpAddr, device: String, gid_index: u32, requests: u64, strace
         _ => println!("  ib_send_lat x2 (raw verbs)   n/a (perftest failed)"),
     }
     for c in &latency {
-        match run_case(ip, c, requests, false).await {
+        match run(c.clone(), requests).await {
             Some(o) => println!(
                 "  {:<48} {:>7.1} {:>8.1} {:>8.1} {:>8.1} {:>9.0} {:>10.1} {:>8} {:>7}",
                 c.name,
@@ -573,7 +671,8 @@ async fn suite(ip: IpAddr, device: String, gid_index: u32, requests: u64, strace
         bw.extend(["-s".into(), c.size.to_string(), "-D".into(), "4".into()]);
         let ib_bw = if c.scheme == "rdma" {
             // perftest's "MB/sec" is MiB/s; ours is 10^6 bytes/s.
-            perftest::run("ib_write_bw", &bw, ip, 18521)
+            let port = if c.size == 8192 { 18521 } else { 18522 };
+            perf("ib_write_bw", bw, port)
                 .await
                 .and_then(|o| perftest::row(&o))
                 .and_then(|v| v.get(3).copied())
@@ -581,7 +680,7 @@ async fn suite(ip: IpAddr, device: String, gid_index: u32, requests: u64, strace
         } else {
             None
         };
-        match run_case(ip, c, (requests / 4).max(100), false).await {
+        match run(c.clone(), (requests / 4).max(100)).await {
             Some(o) => {
                 let mbs = o.rps * c.size as f64 / 1e6;
                 println!(
@@ -605,7 +704,7 @@ async fn suite(ip: IpAddr, device: String, gid_index: u32, requests: u64, strace
         }
     }
 
-    if strace {
+    if strace && server_ip.is_none() {
         println!();
         println!(
             "syscalls per round trip, both processes, clock reads left out (strace -c -f; perftest: 2)"

@@ -40,6 +40,30 @@ pub async fn run(tool: &str, args: &[String], addr: IpAddr, port: u16) -> Option
     Some(text)
 }
 
+/// Runs only a perftest client of `tool` against a server that is already
+/// listening on `addr:port` (another host); returns its stdout.
+pub async fn client(tool: &str, args: &[String], addr: IpAddr, port: u16) -> Option<String> {
+    let mut cargs: Vec<String> = args.to_vec();
+    cargs.extend(["-p".into(), port.to_string(), addr.to_string()]);
+    for _ in 0..20 {
+        let out = tokio::time::timeout(
+            Duration::from_secs(180),
+            tokio::process::Command::new(tool).args(&cargs).output(),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if row(&text).is_some() {
+            return Some(text);
+        }
+        // The peer's server restarts between runs: try again shortly.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("{tool} {}: no result from the peer's server", cargs.join(" "));
+    None
+}
+
 /// The data row after perftest's `#bytes` header: its numeric columns.
 pub fn row(out: &str) -> Option<Vec<f64>> {
     let mut lines = out.lines();
