@@ -70,7 +70,11 @@ async fn setup_rate(ip: IpAddr, n: usize, concurrency: usize) -> f64 {
         let share = n / concurrency + usize::from(w < n % concurrency);
         tasks.spawn(async move {
             for _ in 0..share {
-                drop(RdmaStream::connect_with(addr, &cfg()).await.expect("connect"));
+                drop(
+                    RdmaStream::connect_with(addr, &cfg())
+                        .await
+                        .expect("connect"),
+                );
             }
         });
     }
@@ -110,7 +114,9 @@ async fn bulk(ip: IpAddr, bytes: u64) -> f64 {
 }
 
 fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 /// `rping` client runs against one `rping` server: connections per second,
@@ -202,7 +208,9 @@ async fn main() {
     server.abort();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let alone = bulk(a.ip, a.bulk_bytes).await;
-    println!("  (per end: ring and any send buffer held, plus the device's cache of idle send buffers spread over the ends)");
+    println!(
+        "  (per end: ring and any send buffer held, plus the device's cache of idle send buffers spread over the ends)"
+    );
     println!();
     println!("bulk, one connection, 64 KiB writes        MB/s   ratio");
     println!("  alone                               {alone:>10.2}    1.00");

@@ -63,6 +63,9 @@ enum Cmd {
         /// RdmaConfig::busy_poll budget, microseconds (0: park at once).
         #[arg(long, default_value_t = 0)]
         busy_poll_us: u64,
+        /// RdmaConfig::ring_size, bytes.
+        #[arg(long, default_value_t = 65536)]
+        ring_size: u32,
     },
     /// One closed-loop run; prints one `result key=value ...` line.
     Client {
@@ -83,6 +86,9 @@ enum Cmd {
         runtime: Flavor,
         #[arg(long, default_value_t = 0)]
         busy_poll_us: u64,
+        /// RdmaConfig::ring_size, bytes.
+        #[arg(long, default_value_t = 65536)]
+        ring_size: u32,
     },
     /// Every case, each in a fresh server process, plus perftest.
     Suite {
@@ -129,8 +135,10 @@ fn runtime(flavor: Flavor) -> tokio::runtime::Runtime {
     .expect("tokio runtime")
 }
 
-fn config(busy_poll_us: u64) -> RdmaConfig {
-    RdmaConfig::new().busy_poll(Duration::from_micros(busy_poll_us))
+fn config(busy_poll_us: u64, ring_size: u32) -> RdmaConfig {
+    RdmaConfig::new()
+        .busy_poll(Duration::from_micros(busy_poll_us))
+        .ring_size(ring_size)
 }
 
 /// User + system CPU time of this process (all threads), microseconds.
@@ -263,8 +271,9 @@ fn main() -> std::process::ExitCode {
             addr,
             runtime: flavor,
             busy_poll_us,
+            ring_size,
         } => {
-            if let Err(e) = runtime(flavor).block_on(serve(addr, config(busy_poll_us))) {
+            if let Err(e) = runtime(flavor).block_on(serve(addr, config(busy_poll_us, ring_size))) {
                 eprintln!("echo_bench server: {e}");
                 return std::process::ExitCode::FAILURE;
             }
@@ -277,8 +286,9 @@ fn main() -> std::process::ExitCode {
             warmup,
             runtime: flavor,
             busy_poll_us,
+            ring_size,
         } => {
-            let cfg = config(busy_poll_us);
+            let cfg = config(busy_poll_us, ring_size);
             match runtime(flavor)
                 .block_on(closed_loop(addr, cfg, size, in_flight, requests, warmup))
             {
@@ -328,6 +338,7 @@ struct Case {
     in_flight: usize,
     runtime: Flavor,
     busy_poll_us: u64,
+    ring: u32,
 }
 
 /// A finished case: the client's `result` fields and the server's CPU.
@@ -373,8 +384,11 @@ fn syscalls(summary: &str) -> f64 {
 
 /// The port of the long-running server for `c` on another host: 7701
 /// rdma current_thread, 7702 rdma multi-thread, 7703 rdma busy_poll 200 us,
-/// 7704 tcp.
+/// 7704 tcp, 7705 rdma current_thread with a 1 MiB ring.
 fn remote_port(c: &Case) -> u16 {
+    if c.ring != 65536 {
+        return 7705;
+    }
     match (c.scheme, c.runtime, c.busy_poll_us) {
         ("tcp", _, _) => 7704,
         (_, Flavor::Multi, _) => 7702,
@@ -403,6 +417,8 @@ async fn run_remote_case(peer: IpAddr, c: &Case, requests: u64) -> Option<Outcom
             flavor_arg(c.runtime),
             "--busy-poll-us",
             &c.busy_poll_us.to_string(),
+            "--ring-size",
+            &c.ring.to_string(),
         ])
         .output()
         .await
@@ -449,6 +465,8 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
             flavor_arg(c.runtime),
             "--busy-poll-us",
             &c.busy_poll_us.to_string(),
+            "--ring-size",
+            &c.ring.to_string(),
         ])
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -474,6 +492,8 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
             flavor_arg(c.runtime),
             "--busy-poll-us",
             &c.busy_poll_us.to_string(),
+            "--ring-size",
+            &c.ring.to_string(),
         ])
         .output()
         .await
@@ -547,7 +567,10 @@ async fn suite(
         println!("== {label}");
     }
     if server_ip.is_some() {
-        println!("(servers on {}; CPU per round trip is the client's only)", server_ip.unwrap_or(ip));
+        println!(
+            "(servers on {}; CPU per round trip is the client's only)",
+            server_ip.unwrap_or(ip)
+        );
     }
     let case = |name, scheme, size, in_flight, runtime, busy_poll_us| Case {
         name,
@@ -556,6 +579,7 @@ async fn suite(
         in_flight,
         runtime,
         busy_poll_us,
+        ring: 65536,
     };
     use Flavor::{Current, Multi};
     let latency = [
@@ -585,7 +609,7 @@ async fn suite(
         ),
         case("TCP, current_thread", "tcp", 64, 1, Current, 0),
     ];
-    let bulk = [
+    let mut bulk = vec![
         case(
             "RdmaStream 8 KiB x 8, current_thread",
             "rdma",
@@ -612,13 +636,35 @@ async fn suite(
             0,
         ),
     ];
-    let common = vec![
-        "-d".to_string(),
-        device,
-        "-x".into(),
-        gid_index.to_string(),
-        "-F".into(),
-    ];
+    if server_ip.is_some() {
+        // A wire whose bandwidth-delay product exceeds the default ring.
+        bulk.insert(
+            3,
+            Case {
+                ring: 1 << 20,
+                ..case(
+                    "RdmaStream 64 KiB x 8, ring 1 MiB",
+                    "rdma",
+                    65536,
+                    8,
+                    Current,
+                    0,
+                )
+            },
+        );
+    }
+    // Across hosts the peer's perftest servers run with `-R` (rdma_cm picks
+    // the GID for the address); locally the RoCE v2 GID index is given.
+    let common = match server_ip {
+        Some(_) => vec!["-d".to_string(), device, "-R".into(), "-F".into()],
+        None => vec![
+            "-d".to_string(),
+            device,
+            "-x".into(),
+            gid_index.to_string(),
+            "-F".into(),
+        ],
+    };
     let mut lat = common.clone();
     lat.extend(["-s".into(), "64".into(), "-n".into(), requests.to_string()]);
     // ib_send_lat prints one-way times (half a round trip): doubled here.

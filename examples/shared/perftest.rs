@@ -45,9 +45,9 @@ pub async fn run(tool: &str, args: &[String], addr: IpAddr, port: u16) -> Option
 pub async fn client(tool: &str, args: &[String], addr: IpAddr, port: u16) -> Option<String> {
     let mut cargs: Vec<String> = args.to_vec();
     cargs.extend(["-p".into(), port.to_string(), addr.to_string()]);
-    for _ in 0..20 {
+    for _ in 0..5 {
         let out = tokio::time::timeout(
-            Duration::from_secs(180),
+            Duration::from_secs(120),
             tokio::process::Command::new(tool).args(&cargs).output(),
         )
         .await
@@ -60,7 +60,10 @@ pub async fn client(tool: &str, args: &[String], addr: IpAddr, port: u16) -> Opt
         // The peer's server restarts between runs: try again shortly.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    eprintln!("{tool} {}: no result from the peer's server", cargs.join(" "));
+    eprintln!(
+        "{tool} {}: no result from the peer's server",
+        cargs.join(" ")
+    );
     None
 }
 
