@@ -25,7 +25,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// `#[non_exhaustive]`: new variants are added as the crate grows. Each
 /// variant names what failed and where; converting into [`io::Error`] keeps
-/// the variant as the source so callers can downcast it back.
+/// the variant as its payload (`io::Error::get_ref`, not `source()`), so callers
+/// get it back with [`Error::from_io`] or [`Error::find`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -34,8 +34,12 @@
 //!   the switch included: [`Error::Tcp`]), reached with
 //!   [`Error::from_io`], or [`Error::find`] through hyper's and tonic's
 //!   wrappers;
+//!   A string that is not a transport address is `InvalidInput` whose
+//!   payload is an [`transport::AddrParseError`] instead; a failed
+//!   `transport::channel` carries tonic's error, inside which
+//!   [`Error::find`] reaches ours;
 //! - device queries and config checks return `Result<T, Error>` (this
-//!   crate's [`Error`]);
+//!   crate's [`Error`]; [`error::Result`] is that alias);
 //! - the pool returns `Result<T, PoolError>` ([`pool::PoolError`]).
 //!
 //! The crate has no `Result` alias at its root, so a bare `Result<T>` in

@@ -192,6 +192,23 @@ async fn c_auto_falls_back_to_a_tcp_only_server() {
     }
 }
 
+/// Removes the NIC's netem qdisc when dropped, so a test that fails with
+/// one installed does not leave the wire lossy for the tests after it.
+struct NetemGuard;
+
+impl Drop for NetemGuard {
+    fn drop(&mut self) {
+        if let Ok(nic) = std::env::var("SOFTROCE_NIC") {
+            let _ = std::process::Command::new("tc")
+                .args(["qdisc", "del", "dev", &nic, "root"])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// Runs `tc qdisc ARGS` (DEV is the wire NIC); `replace` installs netem
+/// whether or not a qdisc is there.
 fn netem(args: &str) {
     let nic = std::env::var("SOFTROCE_NIC").expect("SOFTROCE_NIC");
     let cmd = format!("tc qdisc {args}");
@@ -220,7 +237,8 @@ async fn d_loss_and_delay_lose_nothing() {
             }
         }
         Role::Client => {
-            netem("add dev DEV root netem loss 1% delay 5ms");
+            let _netem = NetemGuard;
+            netem("replace dev DEV root netem loss 1% delay 5ms");
             echo_client(connect(PORT, &RdmaConfig::default()).await, 7, 16 << 20).await;
             let ep = retry(TRIES, || MessageEndpoint::connect(at(PORT + 1))).await;
             let data = pattern_buf(8, 16 << 20);
@@ -240,15 +258,21 @@ async fn d_loss_and_delay_lose_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e_a_short_partition_heals() {
     const PORT: u16 = 7805;
+    // A retry bound of about 0.94 s (ack_timeout 15, 6 retries) on both
+    // sides: well above the 200 ms partition even when the emulated hosts
+    // are slowed down by other work on the machine.
+    let cfg = RdmaConfig::new().ack_timeout(15);
+    assert!(cfg.retry_bound() > Duration::from_millis(900));
     match role() {
         Role::Server => {
-            let l = RdmaListener::bind(at(PORT)).await.unwrap();
+            let l = RdmaListener::bind_with(at(PORT), &cfg).await.unwrap();
             let (s, _) = l.accept().await.unwrap();
             assert_eq!(echo(s).await.unwrap(), 16 << 20);
         }
         Role::Client => {
-            let s = connect(PORT, &RdmaConfig::default()).await;
-            netem("add dev DEV root netem loss 0%");
+            let s = connect(PORT, &cfg).await;
+            let _netem = NetemGuard;
+            netem("replace dev DEV root netem loss 0%");
             let echo = tokio::spawn(echo_client(s, 10, 16 << 20));
             tokio::time::sleep(Duration::from_millis(500)).await;
             netem("change dev DEV root netem loss 100%");
@@ -292,7 +316,8 @@ async fn f_a_long_partition_fails_both_sides() {
         }
         Role::Client => {
             let mut s = connect(PORT, &cfg).await;
-            netem("add dev DEV root netem loss 0%");
+            let _netem = NetemGuard;
+            netem("replace dev DEV root netem loss 0%");
             let chunk = pattern_buf(11, 64 * 1024);
             for _ in 0..16 {
                 s.write_all(&chunk).await.unwrap();

@@ -60,7 +60,7 @@ impl RdmaStream {
     /// the last error is returned.
     ///
     /// # Errors
-    /// `io::Error` whose source is a [`crate::Error`]: `ConnectionRefused`
+    /// `io::Error` whose payload (`get_ref()`, [`crate::Error::from_io`]) is a [`crate::Error`]: `ConnectionRefused`
     /// (no listener on that port, or the handshake was rejected), `TimedOut`,
     /// `NotFound` ([`crate::Error::NoDevice`]: no RDMA device on this host),
     /// `HostUnreachable` (no RDMA route), `InvalidData` (bad handshake reply).

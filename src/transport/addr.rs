@@ -85,9 +85,9 @@ pub enum AddrParseError {
         /// The string that was parsed.
         input: String,
     },
-    /// No port: a transport address always names one (`0` picks a free one
-    /// when binding).
-    #[error("transport address {input:?} has no port")]
+    /// No port, or not a number in 0..=65535: a transport address always
+    /// names one (`0` picks a free one when binding).
+    #[error("transport address {input:?} has no port (a number in 0..=65535)")]
     MissingPort {
         /// The string that was parsed.
         input: String,
@@ -357,7 +357,10 @@ mod tests {
         ));
         let io: io::Error = err("tcp://h").into();
         assert_eq!(io.kind(), io::ErrorKind::InvalidInput);
-        assert_eq!(io.to_string(), "transport address \"tcp://h\" has no port");
+        assert_eq!(
+            io.to_string(),
+            "transport address \"tcp://h\" has no port (a number in 0..=65535)"
+        );
     }
 
     #[test]

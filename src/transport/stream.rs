@@ -59,7 +59,8 @@ impl Stream {
     ///
     /// # Errors
     /// `InvalidInput` for a string that is not a transport address
-    /// (the source is an [`AddrParseError`](super::AddrParseError)); otherwise
+    /// (its payload, `get_ref()`, is an [`AddrParseError`](super::AddrParseError),
+    /// not a `tokio_rdma::Error`); otherwise
     /// the error of the transport tried last: for `auto://`, any RDMA error
     /// not listed above (for example `TimedOut`, `InvalidData`) is returned
     /// without trying TCP; after a fallback that failed too,
