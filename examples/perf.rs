@@ -25,6 +25,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_rdma::{RdmaConfig, RdmaListener, RdmaStream};
 
 #[path = "shared/perftest.rs"]
+#[allow(dead_code)]
 mod perftest;
 use perftest::ratio;
 
