@@ -522,6 +522,8 @@ pub(crate) struct RcQueuePair {
     cq: Arc<BasicCompletionQueue>,
     events: Arc<CqEventFd>,
     unacked_events: u32,
+    /// Reused for the payload of inline WRs (no allocation per post).
+    inline_scratch: Vec<u8>,
     max_inline: u32,
     ring_isolation: RingIsolation,
     _pd: Arc<ProtectionDomain>,
@@ -678,6 +680,7 @@ impl RcQueuePair {
             cq,
             events: Arc::new(events),
             unacked_events: 0,
+            inline_scratch: Vec::new(),
             max_inline: sizes.max_inline,
             ring_isolation,
             _pd: pd,
@@ -1027,7 +1030,10 @@ impl RcQueuePair {
         } else {
             WorkRequestFlags::none()
         };
-        let mut tmp = Vec::new();
+        // Taken and put back: no allocation per inline post (lost only on
+        // an error return).
+        let mut tmp = std::mem::take(&mut self.inline_scratch);
+        tmp.clear();
         let (mut lkey, mut laddr) = (0, 0);
         if len > 0 {
             let buf = self
@@ -1056,10 +1062,12 @@ impl RcQueuePair {
                 unsafe { wr.setup_sge(lkey, laddr, len) };
             }
         }
-        guard.post().map_err(|e| Error::Verbs {
+        let posted = guard.post().map_err(|e| Error::Verbs {
             op: "ibv_post_send",
             source: io::Error::other(e),
-        })
+        });
+        self.inline_scratch = tmp;
+        posted
     }
 
     /// Posts one receive WR per `(wr_id, sge)`: a SEND lands in the SGE's
