@@ -269,7 +269,13 @@ impl TryFrom<&str> for TransportAddr {
 
 /// Things [`Stream::connect`](super::Stream::connect) and
 /// [`Listener::bind`](super::Listener::bind) accept as an address: a
-/// [`TransportAddr`] or a string to parse as one.
+/// [`TransportAddr`] or a string to parse as one. A `SocketAddr` names no
+/// transport, so it is not one: use
+/// [`TransportAddr::from_socket_addr`].
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a transport address",
+    note = "pass a string such as \"auto://10.0.0.5:8080\" (tcp://, rdma:// or auto://) or a `TransportAddr`; from a `SocketAddr`: `TransportAddr::from_socket_addr(Transport::Auto, addr)`"
+)]
 pub trait ToTransportAddr {
     /// The address, or why the string is not one.
     fn to_transport_addr(&self) -> Result<TransportAddr, AddrParseError>;

@@ -30,6 +30,13 @@ use crate::RdmaConfig;
 /// (tonic's `Channel`) can ask the connector:
 /// [`last_connection`](Self::last_connection).
 ///
+/// # Errors
+/// A connect fails with the `io::Error` of
+/// [`Stream::connect_with`](super::Stream::connect_with) (a
+/// `tokio_rdma::Error` payload, [`crate::Error::find`] through hyper's
+/// wrappers); a URI with another scheme or without a host is
+/// `InvalidInput` with a plain message naming the URI.
+///
 /// Arguments: constructors that keep a config take it by value
 /// ([`with_config`](Self::with_config)); functions that use one for a
 /// single call borrow it (`Stream::connect_with(addr, &config)`).
