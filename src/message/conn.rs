@@ -400,10 +400,13 @@ impl Driven for MsgState {
     /// unread data), an error for every waiter.
     fn on_disconnected(&mut self) {
         // Every message of ours is held until the peer took it (an eager
-        // SEND completed, a rendezvous DONE'd and its window invalidated),
-        // so no held message means none is lost; our own control WRs still
-        // in flight (a DONE just posted) do not matter.
-        let clean = self.qp.sends_held() == 0 && self.core.incomplete_recv() == 0;
+        // SEND completed, a rendezvous DONE'd) and, for a rendezvous, its
+        // window is invalidated. A DONE'd one whose invalidation is still
+        // in flight was taken: a peer that closes right after taking it
+        // closed cleanly (the memory stays held until the invalidation
+        // completes or the QP is destroyed). Our own control WRs still in
+        // flight (a DONE just posted) do not matter either.
+        let clean = self.qp.sends_not_taken() == 0 && self.core.incomplete_recv() == 0;
         self.qp.as_mut().set_error();
         if clean {
             self.peer_closed = true;

@@ -215,6 +215,15 @@ impl MessageQp {
         self.sending.len()
     }
 
+    /// Messages held for sending that the peer has not taken yet: held
+    /// ones minus rendezvous the peer DONE'd whose window is still being
+    /// invalidated (taken; only our own clean-up is pending).
+    pub(crate) fn sends_not_taken(&self) -> usize {
+        self.sending
+            .len()
+            .saturating_sub(self.windows.invalidating.len() + self.windows.to_invalidate.len())
+    }
+
     /// Memory windows this QP holds (free, bound and being invalidated).
     pub(crate) fn windows_held(&self) -> usize {
         self.windows.free.len() + self.windows.bound.len() + self.windows.invalidating.len()
