@@ -124,7 +124,8 @@ fn open_fds() -> usize {
 async fn rping_rate(ip: IpAddr, runs: usize) -> Option<f64> {
     let port = "18530";
     let mut server = tokio::process::Command::new("rping")
-        .args(["-s", "-a", &ip.to_string(), "-p", port])
+        // -P: persistent server, one connection after another.
+        .args(["-s", "-P", "-a", &ip.to_string(), "-p", port])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true)
