@@ -116,6 +116,7 @@ async fn a_stream_echo_across_the_wire() {
             for t in tasks {
                 assert_eq!(t.await.unwrap().unwrap(), 65536);
             }
+            background_delivery_done().await;
         }
         Role::Client => {
             let cfg = RdmaConfig::default();
@@ -192,6 +193,22 @@ async fn c_auto_falls_back_to_a_tcp_only_server() {
     }
 }
 
+/// Waits until every connection of this process has finished in the
+/// background (its driver delivered what was accepted, then freed its QP).
+/// A server role returns only then: returning shuts the test's runtime down,
+/// and background delivery (linger) runs on that runtime.
+async fn background_delivery_done() {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while tokio_rdma::stats::resources().queue_pairs > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "connections still delivering after 120 s: {:?}",
+            tokio_rdma::stats::resources()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Removes the NIC's netem qdisc when dropped, so a test that fails with
 /// one installed does not leave the wire lossy for the tests after it.
 struct NetemGuard;
@@ -219,7 +236,7 @@ fn netem(args: &str) {
     assert!(st.success(), "{cmd}");
 }
 
-/// 1 % loss and 5 ms delay on the client's NIC: a 16 MiB echo and a 16 MiB
+/// 1 % loss and 5 ms delay on the client's NIC: a 64 MiB echo and a 64 MiB
 /// message arrive intact (rxe retransmits; perftest's ACK timeout keeps
 /// each loss cheap).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -229,19 +246,21 @@ async fn d_loss_and_delay_lose_nothing() {
         Role::Server => {
             let l = RdmaListener::bind(at(PORT)).await.unwrap();
             let (s, _) = l.accept().await.unwrap();
-            assert_eq!(echo(s).await.unwrap(), 16 << 20);
+            assert_eq!(echo(s).await.unwrap(), 64 << 20);
             let ml = MessageListener::bind(at(PORT + 1)).await.unwrap();
             let (ep, _) = ml.accept().await.unwrap();
             while let Some(m) = ep.recv().await.unwrap() {
                 ep.send(m).await.unwrap();
             }
+            drop(ep);
+            background_delivery_done().await;
         }
         Role::Client => {
             let _netem = NetemGuard;
             netem("replace dev DEV root netem loss 1% delay 5ms");
-            echo_client(connect(PORT, &RdmaConfig::default()).await, 7, 16 << 20).await;
+            echo_client(connect(PORT, &RdmaConfig::default()).await, 7, 64 << 20).await;
             let ep = retry(TRIES, || MessageEndpoint::connect(at(PORT + 1))).await;
-            let data = pattern_buf(8, 16 << 20);
+            let data = pattern_buf(8, 64 << 20);
             ep.send_copy(&data).await.unwrap();
             let back = ep.recv().await.unwrap().expect("the echo");
             assert_eq!(crc32fast::hash(&back), crc32fast::hash(&data));
@@ -268,6 +287,7 @@ async fn e_a_short_partition_heals() {
             let l = RdmaListener::bind_with(at(PORT), &cfg).await.unwrap();
             let (s, _) = l.accept().await.unwrap();
             assert_eq!(echo(s).await.unwrap(), 16 << 20);
+            background_delivery_done().await;
         }
         Role::Client => {
             let s = connect(PORT, &cfg).await;
