@@ -449,10 +449,12 @@ impl Conn {
         let n = cap.min(total);
         // Taken from the device's cache while there is data to send;
         // nothing is accepted if no buffer can be had.
-        if let Err(e) = st.qp.ensure_send_buf() {
-            return Poll::Ready(Err(e.into()));
-        }
-        let ranges = st.core.accept_write(n);
+        let state = &mut *st;
+        let send_buf = match state.qp.ensure_send_buf() {
+            Ok(buf) => buf,
+            Err(e) => return Poll::Ready(Err(e.into())),
+        };
+        let ranges = state.core.accept_write(n);
         // Copy the first n bytes of `bufs` into the ranges, in order.
         let mut src = bufs.iter().map(|b| &b[..]).filter(|c| !c.is_empty());
         let mut cur: &[u8] = src.next().unwrap_or(&[]);
@@ -466,11 +468,7 @@ impl Conn {
                     }
                 }
                 let k = (r.end - at).min(cur.len());
-                let copied = match st.qp.send_buf() {
-                    Some(buf) => buf.write_at(at, &cur[..k]),
-                    None => Err(io::Error::other("send buffer missing")),
-                };
-                if let Err(source) = copied {
+                if let Err(source) = send_buf.write_at(at, &cur[..k]) {
                     return Poll::Ready(Err(Error::Verbs {
                         op: "send buffer copy",
                         source,

@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use rdma_mummy_sys::{
     bind_mw_t, ibv_access_flags, ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_modify_qp,
-    ibv_mr, ibv_mw_bind_info, ibv_post_send, ibv_qp_state, ibv_req_notify_cq, ibv_send_flags,
-    ibv_send_wr, ibv_wr_opcode,
+    ibv_mr, ibv_mw_bind_info, ibv_post_send, ibv_qp_attr, ibv_qp_state, ibv_req_notify_cq,
+    ibv_send_flags, ibv_send_wr, ibv_wr_opcode,
 };
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::completion::{
@@ -696,12 +696,10 @@ impl RcQueuePair {
     /// [`Error::Verbs`] (`ibv_reg_mr`, errno kept: `ENOMEM` at
     /// RLIMIT_MEMLOCK) when a new buffer cannot be registered.
     pub(crate) fn ensure_send_buf(&mut self) -> Result<&RegisteredBuffer> {
-        if self.send_buf.is_none() {
-            self.send_buf = Some(self.device.take_send_buffer(self.send_buf_len)?);
+        match &mut self.send_buf {
+            Some(buf) => Ok(buf),
+            slot @ None => Ok(slot.insert(self.device.take_send_buffer(self.send_buf_len)?)),
         }
-        self.send_buf
-            .as_ref()
-            .ok_or_else(|| Error::Internal("send buffer missing after ensure_send_buf".into()))
     }
 
     /// The send buffer if one is held now.
@@ -914,9 +912,16 @@ impl RcQueuePair {
     /// computed for `id`.
     fn modify_from_cm(&mut self, id: &CmId, state: u32) -> Result<()> {
         let (mut attr, mask) = id.init_qp_attr(state)?;
-        // SAFETY: the QP is valid; `attr`/`mask` come from rdma_init_qp_attr
-        // for this transition.
-        let ret = unsafe { ibv_modify_qp(self.qp.qp().as_ptr(), &mut attr, mask) };
+        self.modify(&mut attr, mask)
+    }
+
+    /// `ibv_modify_qp` with attributes from rdma_init_qp_attr (some fields
+    /// possibly set to values the caller validated).
+    fn modify(&mut self, attr: &mut ibv_qp_attr, mask: i32) -> Result<()> {
+        // SAFETY: the QP is valid while `self` lives and `attr` is a valid,
+        // writable attribute struct for the call's duration; a transition
+        // the QP cannot make is an error return, not undefined behaviour.
+        let ret = unsafe { ibv_modify_qp(self.qp.qp().as_ptr(), attr, mask) };
         if ret != 0 {
             return Err(Error::Verbs {
                 op: "ibv_modify_qp",
@@ -951,17 +956,9 @@ impl RcQueuePair {
         let mask = mask
             | rdma_mummy_sys::ibv_qp_attr_mask::IBV_QP_TIMEOUT.0 as i32
             | rdma_mummy_sys::ibv_qp_attr_mask::IBV_QP_RETRY_CNT.0 as i32;
-        // SAFETY: the QP is valid; `attr`/`mask` come from
-        // rdma_init_qp_attr for this transition, with two fields changed
-        // to values the caller validated (1..=31, 0..=7).
-        let ret = unsafe { ibv_modify_qp(self.qp.qp().as_ptr(), &mut attr, mask) };
-        if ret != 0 {
-            return Err(Error::Verbs {
-                op: "ibv_modify_qp",
-                source: io::Error::from_raw_os_error(ret),
-            });
-        }
-        Ok(())
+        // The two fields changed hold values the config validated (1..=31,
+        // 0..=7).
+        self.modify(&mut attr, mask)
     }
 
     /// Posts a keepalive probe: a signaled zero-length RDMA WRITE (no data,
