@@ -397,14 +397,23 @@ fn remote_port(c: &Case) -> u16 {
     }
 }
 
-/// Runs the client of `c` against the server for it on `peer`.
-async fn run_remote_case(peer: IpAddr, c: &Case, requests: u64) -> Option<Outcome> {
-    let me = std::env::current_exe().ok()?;
-    let warmup = 500.min(requests / 4);
-    let out = tokio::process::Command::new(&me)
+/// Warm-up requests before `requests` measured ones.
+fn warmup_for(requests: u64) -> u64 {
+    500.min(requests / 4)
+}
+
+/// Runs `cmd` (this binary, maybe under strace) as the client of `c`
+/// against `target`; returns its `result` line.
+async fn run_client(
+    mut cmd: tokio::process::Command,
+    c: &Case,
+    target: &str,
+    requests: u64,
+) -> Option<String> {
+    let out = cmd
         .args([
             "client",
-            &format!("{}://{peer}:{}", c.scheme, remote_port(c)),
+            target,
             "--size",
             &c.size.to_string(),
             "--in-flight",
@@ -412,7 +421,7 @@ async fn run_remote_case(peer: IpAddr, c: &Case, requests: u64) -> Option<Outcom
             "--requests",
             &requests.to_string(),
             "--warmup",
-            &warmup.to_string(),
+            &warmup_for(requests).to_string(),
             "--runtime",
             flavor_arg(c.runtime),
             "--busy-poll-us",
@@ -424,24 +433,45 @@ async fn run_remote_case(peer: IpAddr, c: &Case, requests: u64) -> Option<Outcom
         .await
         .ok()?;
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let Some(result) = text.lines().find(|l| l.starts_with("result ")) else {
+    let result = text
+        .lines()
+        .find(|l| l.starts_with("result "))
+        .map(str::to_string);
+    if result.is_none() {
         eprintln!(
             "{}: client failed: {text}{}",
             c.name,
             String::from_utf8_lossy(&out.stderr)
         );
-        return None;
-    };
-    let secs = field(result, "secs");
-    Some(Outcome {
+    }
+    result
+}
+
+/// The figures of a client's `result` line; `server_cpu_per_rt_us` is
+/// added to the client's CPU per round trip.
+fn outcome(
+    result: &str,
+    requests: u64,
+    server_cpu_per_rt_us: f64,
+    syscalls_per_rt: Option<f64>,
+) -> Outcome {
+    Outcome {
         p50: field(result, "p50_ns") / 1e3,
         mean: field(result, "mean_ns") / 1e3,
         p99: field(result, "p99_ns") / 1e3,
         p999: field(result, "p999_ns") / 1e3,
-        rps: requests as f64 / secs,
-        cpu_per_rt_us: field(result, "cpu_us") / requests as f64,
-        syscalls_per_rt: None,
-    })
+        rps: requests as f64 / field(result, "secs"),
+        cpu_per_rt_us: field(result, "cpu_us") / requests as f64 + server_cpu_per_rt_us,
+        syscalls_per_rt,
+    }
+}
+
+/// Runs the client of `c` against the server for it on `peer`.
+async fn run_remote_case(peer: IpAddr, c: &Case, requests: u64) -> Option<Outcome> {
+    let me = std::env::current_exe().ok()?;
+    let target = format!("{}://{peer}:{}", c.scheme, remote_port(c));
+    let result = run_client(tokio::process::Command::new(&me), c, &target, requests).await?;
+    Some(outcome(&result, requests, 0.0, None))
 }
 
 async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<Outcome> {
@@ -475,38 +505,8 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
     let mut lines = BufReader::new(server.stdout.take()?).lines();
     let port = lines.next_line().await.ok()??;
     let port = port.strip_prefix("listening ")?.to_string();
-    let warmup = 500.min(requests / 4);
-    let out = wrap("client")
-        .args([
-            "client",
-            &format!("{}://{ip}:{port}", c.scheme),
-            "--size",
-            &c.size.to_string(),
-            "--in-flight",
-            &c.in_flight.to_string(),
-            "--requests",
-            &requests.to_string(),
-            "--warmup",
-            &warmup.to_string(),
-            "--runtime",
-            flavor_arg(c.runtime),
-            "--busy-poll-us",
-            &c.busy_poll_us.to_string(),
-            "--ring-size",
-            &c.ring.to_string(),
-        ])
-        .output()
-        .await
-        .ok()?;
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let Some(result) = text.lines().find(|l| l.starts_with("result ")) else {
-        eprintln!(
-            "{}: client failed: {text}{}",
-            c.name,
-            String::from_utf8_lossy(&out.stderr)
-        );
-        return None;
-    };
+    let target = format!("{}://{ip}:{port}", c.scheme);
+    let result = run_client(wrap("client"), c, &target, requests).await?;
     let closed = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
         .await
         .ok()?
@@ -521,24 +521,20 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
         }
     }
     let _ = tokio::time::timeout(Duration::from_secs(10), server.wait()).await;
-    let total = (requests + warmup) as f64;
+    let total = (requests + warmup_for(requests)) as f64;
     let syscalls_per_rt = strace.then(|| {
         let s = std::fs::read_to_string(trace("server")).unwrap_or_default();
         let c = std::fs::read_to_string(trace("client")).unwrap_or_default();
         (syscalls(&s) + syscalls(&c)) / total
     });
-    let secs = field(result, "secs");
-    Some(Outcome {
-        p50: field(result, "p50_ns") / 1e3,
-        mean: field(result, "mean_ns") / 1e3,
-        p99: field(result, "p99_ns") / 1e3,
-        p999: field(result, "p999_ns") / 1e3,
-        rps: requests as f64 / secs,
-        // Client: measured requests only; server: its whole life (warm-up
-        // and setup included) spread over every request it echoed.
-        cpu_per_rt_us: field(result, "cpu_us") / requests as f64 + server_cpu / total,
+    // Client: measured requests only; server: its whole life (warm-up and
+    // setup included) spread over every request it echoed.
+    Some(outcome(
+        &result,
+        requests,
+        server_cpu / total,
         syscalls_per_rt,
-    })
+    ))
 }
 
 async fn suite(
