@@ -14,7 +14,7 @@ use tokio_rdma::error::RejectReason;
 use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
 
 mod common;
-use common::{example, signal};
+use common::{echo, example, signal};
 
 #[path = "../examples/shared/pattern.rs"]
 #[allow(dead_code)]
@@ -32,21 +32,6 @@ async fn bind(cfg: &RdmaConfig) -> RdmaListener {
     RdmaListener::bind_with(format!("{IP}:0"), cfg)
         .await
         .expect("bind on rxe0's address")
-}
-
-/// Echo everything until EOF, then half-close.
-async fn echo(mut s: RdmaStream) -> io::Result<u64> {
-    let mut buf = vec![0u8; 32 * 1024];
-    let mut total = 0;
-    loop {
-        let n = s.read(&mut buf).await?;
-        if n == 0 {
-            s.shutdown().await?;
-            return Ok(total);
-        }
-        s.write_all(&buf[..n]).await?;
-        total += n as u64;
-    }
 }
 
 /// Writes `len` pattern bytes and half-closes while reading the echo;

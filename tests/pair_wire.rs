@@ -26,7 +26,7 @@ mod shared;
 mod greeter;
 
 mod common;
-use common::retry;
+use common::{echo, retry};
 
 /// Attempts (100 ms apart) while the server guest is not listening yet.
 const TRIES: u32 = 1200;
@@ -60,20 +60,6 @@ fn pattern_buf(seed: u64, len: usize) -> Vec<u8> {
 /// Connects to the server guest, retrying while it is not listening yet.
 async fn connect(port: u16, cfg: &RdmaConfig) -> RdmaStream {
     retry(TRIES, || RdmaStream::connect_with(at(port), cfg)).await
-}
-
-async fn echo(mut s: RdmaStream) -> io::Result<u64> {
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut total = 0;
-    loop {
-        let n = s.read(&mut buf).await?;
-        if n == 0 {
-            s.shutdown().await?;
-            return Ok(total);
-        }
-        s.write_all(&buf[..n]).await?;
-        total += n as u64;
-    }
 }
 
 /// Writes `len` pattern bytes and half-closes while reading the echo back;
