@@ -165,12 +165,18 @@ pub enum Error {
         reason: &'static str,
     },
 
-    /// Connecting to `addr` took longer than the configured connect timeout.
-    /// Maps to [`io::ErrorKind::TimedOut`].
-    #[error("connecting to {addr} timed out")]
+    /// The handshake with `addr` did not finish within the configured
+    /// connect timeout (`RdmaConfig::connect_timeout`), or the kernel's
+    /// rdma_cm gave up retrying the connect request (CM REQ) because no
+    /// reply came (`RDMA_CM_EVENT_UNREACHABLE` with `ETIMEDOUT`: the peer
+    /// host is down or partitioned away). `stage` names the step that was
+    /// waiting. Maps to [`io::ErrorKind::TimedOut`].
+    #[error("connection with {addr} timed out {stage}")]
     TimedOut {
-        /// The address that was dialled.
+        /// The address that was dialled (on the passive side: the client's).
         addr: SocketAddr,
+        /// The handshake step that did not finish.
+        stage: ConnectStage,
     },
 
     /// rdma_cm could not resolve an address or route to `addr` (status is
@@ -428,6 +434,49 @@ impl From<Error> for io::Error {
     }
 }
 
+/// The step of the rdma_cm handshake that [`Error::TimedOut`] was waiting
+/// for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ConnectStage {
+    /// `rdma_resolve_addr`: choosing the local RDMA device and learning the
+    /// peer's hardware address (ARP or neighbour discovery on RoCE).
+    ResolveAddress,
+    /// `rdma_resolve_route`: the path to the peer.
+    ResolveRoute,
+    /// The connect request (CM REQ) went out and the listener's host never
+    /// answered: it is down, partitioned away, or drops RoCE traffic
+    /// (UDP port 4791). A host that is up but has no listener on the port
+    /// answers at once ([`Error::ConnectionRefused`]).
+    AwaitingReply,
+    /// Setting up this side's queue pair and buffers (for example waiting
+    /// for pool memory) or, once the listener answered, moving the queue
+    /// pair to ready-to-send.
+    LocalSetup,
+    /// Passive side: the accept (CM REP) went out and the connecting side
+    /// never confirmed it (CM RTU).
+    AwaitingEstablished,
+}
+
+impl std::fmt::Display for ConnectStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ConnectStage::ResolveAddress => {
+                "resolving the address (rdma_resolve_addr: no ARP answer from the peer?)"
+            }
+            ConnectStage::ResolveRoute => "resolving the route (rdma_resolve_route)",
+            ConnectStage::AwaitingReply => {
+                "waiting for the listener's reply to the connect request (the peer host is \
+                 down, partitioned away or drops RoCE traffic on UDP 4791)"
+            }
+            ConnectStage::LocalSetup => "setting up the local queue pair",
+            ConnectStage::AwaitingEstablished => {
+                "waiting for the client to confirm the accept (CM RTU)"
+            }
+        })
+    }
+}
+
 /// A process or device limit named by [`Error::ResourceLimit`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -550,7 +599,10 @@ impl Clone for Error {
                 code: *code,
                 reason,
             },
-            Error::TimedOut { addr } => Error::TimedOut { addr: *addr },
+            Error::TimedOut { addr, stage } => Error::TimedOut {
+                addr: *addr,
+                stage: *stage,
+            },
             Error::Unreachable { addr, source } => Error::Unreachable {
                 addr: *addr,
                 source: clone_io(source),

@@ -19,7 +19,7 @@ use tokio_rdma::stats::{ResourceSnapshot, resources};
 use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
 
 mod common;
-use common::example;
+use common::{assert_back_to, example, open_fds, without_cache};
 
 #[path = "../examples/shared/pattern.rs"]
 #[allow(dead_code)]
@@ -36,55 +36,6 @@ const RING: u64 = 64 * 1024;
 
 fn pattern(seed: u64, i: u64) -> u8 {
     shared::pattern_byte(seed, i)
-}
-
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .expect("/proc/self/fd")
-        .count()
-}
-
-/// The counts that must return to the start once connections are gone:
-/// everything but the device's cache of idle send buffers (kept for reuse,
-/// at most 4 MiB), whose regions and bytes are taken out.
-fn without_cache(r: ResourceSnapshot) -> (u64, u64, u64, u64, u64, u64, u64, u64, u64) {
-    (
-        r.queue_pairs,
-        r.completion_queues,
-        r.completion_channels,
-        r.memory_regions - r.idle_send_buffers,
-        r.registered_bytes - r.idle_send_buffers * 64 * 1024,
-        r.memory_windows,
-        r.protection_domains,
-        r.cm_ids,
-        r.cm_event_channels,
-    )
-}
-
-/// Waits (up to [`SETTLE`], a liveness bound) until the resources and fds
-/// are back at `start` (fds within `fd_slack`), then asserts it.
-async fn assert_back_to(start: ResourceSnapshot, fds: usize, fd_slack: usize) {
-    let deadline = Instant::now() + SETTLE;
-    loop {
-        let now = resources();
-        let back =
-            without_cache(now) == without_cache(start) && open_fds().abs_diff(fds) <= fd_slack;
-        if back || Instant::now() > deadline {
-            assert_eq!(
-                without_cache(now),
-                without_cache(start),
-                "{now:?} vs {start:?}"
-            );
-            assert!(
-                open_fds().abs_diff(fds) <= fd_slack,
-                "fds {} vs {fds} at the start",
-                open_fds()
-            );
-            assert!(now.idle_send_buffers <= 64, "{now:?}");
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// A listener with the default backlog, and one connection made and closed
@@ -197,7 +148,7 @@ async fn a_thousand_concurrent_streams_echo_then_idle_ones_pin_only_their_ring()
         "{now:?}"
     );
     drop(held);
-    assert_back_to(start, fds, 2).await;
+    assert_back_to(start, fds, 2, SETTLE).await;
     drop(l);
 }
 
@@ -249,7 +200,7 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
         open_fds()
     );
     drop(held);
-    assert_back_to(start, fds, 2).await;
+    assert_back_to(start, fds, 2, SETTLE).await;
     drop(l);
 }
 
@@ -280,7 +231,7 @@ async fn churn_of_2000_connections_leaks_nothing() {
         assert!(back == data, "connection {seed}: echo differs");
     }
     let l = server.await.unwrap();
-    assert_back_to(start, fds, 2).await;
+    assert_back_to(start, fds, 2, SETTLE).await;
     drop(l);
 }
 
@@ -310,7 +261,7 @@ async fn connects_to_a_port_without_listener_are_refused_and_leak_nothing() {
             "connect {i}: {err:?}"
         );
     }
-    assert_back_to(start, fds, 2).await;
+    assert_back_to(start, fds, 2, SETTLE).await;
     drop(l);
 }
 

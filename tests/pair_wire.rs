@@ -26,12 +26,15 @@ mod shared;
 mod greeter;
 
 mod common;
-use common::{echo, retry};
+use common::{assert_back_to, echo, open_fds, retry};
 
 /// Attempts (100 ms apart) while the server guest is not listening yet.
 const TRIES: u32 = 1200;
 
 const A: &str = "10.12.0.1";
+
+/// The block the crash test's download repeats (64 of them make 64 MiB).
+const CRASH_BLOCK: usize = 1 << 20;
 
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
 enum Role {
@@ -512,14 +515,71 @@ async fn i_a_host_that_does_not_exist_is_a_typed_error() {
     assert!(err.to_string().contains("10.12.0.99"), "{err}");
 }
 
-/// The server host crashes while one connection is idle and another is in
-/// the middle of a transfer: on the idle one keepalive (2 s here) probes,
-/// the RC retries run out, and the blocked read returns `ConnectionReset`
-/// within keepalive + retry bound (asserted against 3x that, a liveness
-/// ceiling), never EOF; the writer of the busy one fails too, never a
-/// silent success.
+/// Connecting while the wire is cut (netem 100 % loss on b's egress): the
+/// connect request (CM REQ) is never answered, so the connect fails with
+/// `Error::TimedOut` at `ConnectStage::AwaitingReply` within the connect
+/// timeout (3 s here; asserted against a liveness ceiling), naming the
+/// address and leaving no verbs objects or fds behind; once the wire heals,
+/// the same listener accepts and echoes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn z_peer_host_crash_while_idle_is_an_error() {
+async fn j_a_connect_across_a_partition_times_out() {
+    const PORT: u16 = 7810;
+    match role() {
+        Role::Server => {
+            let l = RdmaListener::bind(at(PORT)).await.unwrap();
+            set_flag("j-listening");
+            let (s, _) = l.accept().await.unwrap();
+            assert_eq!(echo(s).await.unwrap(), 4097);
+            background_delivery_done().await;
+        }
+        Role::Client => {
+            wait_flag("j-listening").await;
+            background_delivery_done().await;
+            let (start, fds) = (tokio_rdma::stats::resources(), open_fds());
+            let timeout = Duration::from_secs(3);
+            let cfg = RdmaConfig::new().connect_timeout(timeout);
+            let (err, took) = {
+                let _netem = NetemGuard;
+                netem("replace dev DEV root netem loss 100%");
+                let t = Instant::now();
+                let err = RdmaStream::connect_with(at(PORT), &cfg)
+                    .await
+                    .expect_err("nothing answers across a cut wire");
+                (err, t.elapsed())
+            };
+            assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+            assert!(
+                matches!(
+                    tokio_rdma::Error::from_io(&err),
+                    Some(tokio_rdma::Error::TimedOut {
+                        stage: tokio_rdma::error::ConnectStage::AwaitingReply,
+                        ..
+                    })
+                ),
+                "{err:?}"
+            );
+            assert!(err.to_string().contains("10.12.0.1:7810"), "{err}");
+            assert!(
+                took < timeout * 3 + Duration::from_secs(5),
+                "the connect gave up after {took:?} (timeout {timeout:?})"
+            );
+            assert_back_to(start, fds, 2, Duration::from_secs(60)).await;
+            let s = connect(PORT, &RdmaConfig::new()).await;
+            echo_client(s, 13, 4097).await;
+        }
+    }
+}
+
+/// The server host crashes while one connection is idle and two are in the
+/// middle of 64 MiB transfers, one each way: on the idle one keepalive (2 s
+/// here) probes, the RC retries run out, and the blocked read returns
+/// `ConnectionReset` within keepalive + retry bound (asserted against 3x
+/// that, a liveness ceiling), never EOF; the writer of one busy connection
+/// and the reader of the other fail too (every byte read before the crash
+/// equal to what was sent), never a silent success or EOF; then this
+/// side's verbs objects and fds are back where they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
     const PORT: u16 = 7899;
     let keepalive = Duration::from_secs(2);
     let cfg = RdmaConfig::new().keepalive(Some(keepalive));
@@ -528,6 +588,17 @@ async fn z_peer_host_crash_while_idle_is_an_error() {
             let l = RdmaListener::bind_with(at(PORT), &cfg).await.unwrap();
             let (_idle, _) = l.accept().await.unwrap();
             let (mut busy, _) = l.accept().await.unwrap();
+            let (mut down, _) = l.accept().await.unwrap();
+            // 64 MiB (the 1 MiB block 64 times), again and again, until
+            // this host is killed.
+            tokio::spawn(async move {
+                let block = pattern_buf(21, CRASH_BLOCK);
+                loop {
+                    for _ in 0..64 {
+                        down.write_all(&block).await.unwrap();
+                    }
+                }
+            });
             // Read (and drop) the busy connection's bytes until this host is
             // killed.
             let mut buf = vec![0u8; 64 * 1024];
@@ -536,8 +607,30 @@ async fn z_peer_host_crash_while_idle_is_an_error() {
             panic!("guest a was not killed");
         }
         Role::Client => {
+            background_delivery_done().await;
+            let (start, fds) = (tokio_rdma::stats::resources(), open_fds());
             let mut s = connect(PORT, &cfg).await;
             let mut busy = connect(PORT, &cfg).await;
+            let mut down = connect(PORT, &cfg).await;
+            let downloader = tokio::spawn(async move {
+                let block = pattern_buf(21, CRASH_BLOCK);
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut got = 0usize;
+                loop {
+                    let n = match down.read(&mut buf).await {
+                        Ok(0) => return Err(format!("EOF after {got} bytes")),
+                        Ok(n) => n,
+                        Err(e) => return Ok((e, got)),
+                    };
+                    for (k, b) in buf[..n].iter().enumerate() {
+                        let at = (got + k) % CRASH_BLOCK;
+                        if *b != block[at] {
+                            return Err(format!("byte {} differs", got + k));
+                        }
+                    }
+                    got += n;
+                }
+            });
             let writer = tokio::spawn(async move {
                 let chunk = pattern_buf(9, 64 * 1024);
                 let mut sent = 0u64;
@@ -601,6 +694,15 @@ async fn z_peer_host_crash_while_idle_is_an_error() {
                 "{werr}"
             );
             assert!(tokio_rdma::Error::from_io(&werr).is_some(), "{werr:?}");
+            let (rerr, got) = tokio::time::timeout(bound * 3 + Duration::from_secs(5), downloader)
+                .await
+                .expect("the reader of the download fails")
+                .unwrap()
+                .expect("an error, never EOF or different bytes");
+            assert!(got > 0, "the download was under way");
+            assert_eq!(rerr.kind(), io::ErrorKind::ConnectionReset, "{rerr}");
+            eprintln!("download read {got} bytes before the crash; sent {sent} bytes");
+            assert_back_to(start, fds, 2, Duration::from_secs(120)).await;
         }
     }
 }

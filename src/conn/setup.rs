@@ -8,7 +8,7 @@ use std::sync::Arc;
 use tracing::{debug, warn};
 
 use crate::config::RdmaConfig;
-use crate::error::{Error, Result};
+use crate::error::{ConnectStage, Error, Result};
 use crate::proto::handshake::{EndpointKind, Hello, RejectReason, decode_reject, encode_reject};
 use crate::verbs::cm::{CmEvent, CmEventKind, CmId, EventChannel};
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
@@ -126,9 +126,15 @@ pub(crate) async fn connect<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::
     let deadline = tokio::time::Instant::now() + setup.rdma().connect_timeout;
     let mut backoff = BUSY_BACKOFF_START;
     loop {
-        let attempt = tokio::time::timeout_at(deadline, connect_inner(addr, setup)).await;
+        let stage = Progress::default();
+        let attempt = tokio::time::timeout_at(deadline, connect_inner(addr, setup, &stage)).await;
         match attempt {
-            Err(_) => return Err(Error::TimedOut { addr }),
+            Err(_) => {
+                return Err(Error::TimedOut {
+                    addr,
+                    stage: stage.get(),
+                });
+            }
             Ok(Err(
                 e @ Error::HandshakeRejected {
                     reason: RejectReason::ServerResources,
@@ -145,6 +151,34 @@ pub(crate) async fn connect<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::
                 backoff = (backoff * 2).min(BUSY_BACKOFF_MAX);
             }
             Ok(other) => return other,
+        }
+    }
+}
+
+/// The handshake step an active connect is at, for the error its timeout
+/// reports.
+#[derive(Default)]
+struct Progress(std::sync::atomic::AtomicU8);
+
+impl Progress {
+    fn set(&self, stage: ConnectStage) {
+        let v = match stage {
+            ConnectStage::ResolveAddress => 0,
+            ConnectStage::ResolveRoute => 1,
+            ConnectStage::LocalSetup => 2,
+            ConnectStage::AwaitingReply => 3,
+            ConnectStage::AwaitingEstablished => 4,
+        };
+        self.0.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn get(&self) -> ConnectStage {
+        match self.0.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => ConnectStage::ResolveAddress,
+            1 => ConnectStage::ResolveRoute,
+            3 => ConnectStage::AwaitingReply,
+            4 => ConnectStage::AwaitingEstablished,
+            _ => ConnectStage::LocalSetup,
         }
     }
 }
@@ -177,13 +211,20 @@ async fn expect(
         return Ok(ev);
     }
     debug!(kind = ?ev.kind, status = ev.status, "connect failed");
-    Err(match ev.kind {
+    Err(event_error(ev.kind, ev.status, &ev.private_data, addr))
+}
+
+/// The error for an rdma_cm event that ends an active connect: `status` is
+/// the event's status (a negative errno for address, route and
+/// unreachable events; the IB CM reject reason for `Rejected`).
+fn event_error(kind: CmEventKind, status: i32, private_data: &[u8], addr: SocketAddr) -> Error {
+    match kind {
         CmEventKind::AddrError | CmEventKind::RouteError => Error::Unreachable {
             addr,
-            source: std::io::Error::from_raw_os_error(-ev.status),
+            source: std::io::Error::from_raw_os_error(status.saturating_neg()),
         },
-        CmEventKind::Rejected => match decode_reject(&ev.private_data) {
-            Some((server_version, reason)) if ev.status == IB_CM_REJ_CONSUMER_DEFINED => {
+        CmEventKind::Rejected => match decode_reject(private_data) {
+            Some((server_version, reason)) if status == IB_CM_REJ_CONSUMER_DEFINED => {
                 Error::HandshakeRejected {
                     addr,
                     reason,
@@ -192,15 +233,25 @@ async fn expect(
             }
             _ => Error::ConnectionRefused { addr },
         },
-        CmEventKind::Unreachable | CmEventKind::ConnectError => Error::ConnectionRefused { addr },
+        // The CM retried the REQ until it gave up: nobody answered
+        // (kernel cma: IB_CM_REQ_ERROR -> UNREACHABLE, -ETIMEDOUT).
+        CmEventKind::Unreachable if status == -libc::ETIMEDOUT => Error::TimedOut {
+            addr,
+            stage: ConnectStage::AwaitingReply,
+        },
+        CmEventKind::Unreachable => Error::Unreachable {
+            addr,
+            source: std::io::Error::from_raw_os_error(status.saturating_neg()),
+        },
+        CmEventKind::ConnectError => Error::ConnectionRefused { addr },
         _ => Error::Verbs {
             op: "rdma_connect",
-            source: std::io::Error::other(format!("unexpected rdma_cm event {:?}", ev.kind)),
+            source: std::io::Error::other(format!("unexpected rdma_cm event {kind:?}")),
         },
-    })
+    }
 }
 
-async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> {
+async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) -> Result<S::Out> {
     let cfg = setup.rdma();
     // Fail fast with the foundation's typed error on hosts without RDMA.
     crate::verbs::devices()?;
@@ -212,18 +263,22 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> 
             e => e,
         })?;
     expect(&channel, addr, CmEventKind::AddrResolved).await?;
+    stage.set(ConnectStage::ResolveRoute);
     id.resolve_route(cfg.resolve_timeout).map_err(|e| match e {
         Error::Verbs { source, .. } => Error::Unreachable { addr, source },
         e => e,
     })?;
     expect(&channel, addr, CmEventKind::RouteResolved).await?;
 
+    stage.set(ConnectStage::LocalSetup);
     let (dev, qp, device) = new_qp(&id, cfg, setup.sizes())?;
     let mut qp = setup.prepare(&dev, qp).await?;
     qp.as_mut().modify_to_init(&id)?;
     let hello = setup.on_init(&mut qp)?;
     id.connect(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
+    stage.set(ConnectStage::AwaitingReply);
     let ev = expect(&channel, addr, CmEventKind::ConnectResponse).await?;
+    stage.set(ConnectStage::LocalSetup);
     let peer = match Hello::decode(&ev.private_data).and_then(|h| h.expect_kind(S::KIND)) {
         Ok(h) => h,
         Err(e) => {
@@ -316,6 +371,7 @@ pub(crate) async fn accept_one<S: Setup>(
         .await
         .map_err(|_| Error::TimedOut {
             addr: id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into()),
+            stage: ConnectStage::AwaitingEstablished,
         })?
         .map_err(|source| Error::Verbs {
             op: "rdma_get_cm_event",
@@ -335,4 +391,93 @@ pub(crate) async fn accept_one<S: Setup>(
             fallback_addr: ([0, 0, 0, 0], 0).into(),
         })
         .map(|out| Some((out, peer_addr)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr() -> SocketAddr {
+        "10.12.0.1:7810".parse().unwrap()
+    }
+
+    #[test]
+    fn an_unanswered_connect_request_is_a_timeout_of_that_stage() {
+        let e = event_error(CmEventKind::Unreachable, -libc::ETIMEDOUT, &[], addr());
+        assert!(
+            matches!(
+                e,
+                Error::TimedOut {
+                    stage: ConnectStage::AwaitingReply,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            std::io::Error::from(e.clone()).kind(),
+            std::io::ErrorKind::TimedOut
+        );
+        assert_eq!(
+            e.to_string(),
+            "connection with 10.12.0.1:7810 timed out waiting for the listener's reply to the \
+             connect request (the peer host is down, partitioned away or drops RoCE traffic \
+             on UDP 4791)"
+        );
+    }
+
+    #[test]
+    fn other_connect_events_keep_their_cause() {
+        let e = event_error(CmEventKind::Unreachable, -libc::ENETUNREACH, &[], addr());
+        match e {
+            Error::Unreachable { source, .. } => {
+                assert_eq!(source.raw_os_error(), Some(libc::ENETUNREACH))
+            }
+            e => panic!("{e:?}"),
+        }
+        let e = event_error(CmEventKind::AddrError, -libc::ETIMEDOUT, &[], addr());
+        match e {
+            Error::Unreachable { source, .. } => {
+                assert_eq!(source.raw_os_error(), Some(libc::ETIMEDOUT))
+            }
+            e => panic!("{e:?}"),
+        }
+        // A host without a listener on the port rejects (invalid service
+        // id, IB CM reason 8): refused, like TCP's RST.
+        let e = event_error(CmEventKind::Rejected, 8, &[], addr());
+        assert!(matches!(e, Error::ConnectionRefused { .. }), "{e:?}");
+        let reject = encode_reject(RejectReason::ServerResources);
+        let e = event_error(
+            CmEventKind::Rejected,
+            IB_CM_REJ_CONSUMER_DEFINED,
+            &reject,
+            addr(),
+        );
+        assert!(
+            matches!(
+                e,
+                Error::HandshakeRejected {
+                    reason: RejectReason::ServerResources,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn progress_reads_back_every_stage() {
+        let p = Progress::default();
+        assert_eq!(p.get(), ConnectStage::ResolveAddress);
+        for s in [
+            ConnectStage::ResolveRoute,
+            ConnectStage::LocalSetup,
+            ConnectStage::AwaitingReply,
+            ConnectStage::AwaitingEstablished,
+            ConnectStage::ResolveAddress,
+        ] {
+            p.set(s);
+            assert_eq!(p.get(), s);
+        }
+    }
 }

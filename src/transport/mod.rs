@@ -224,7 +224,11 @@ mod tests {
             assert_eq!(fallback_cause(e), Some(*cause), "{e}");
         }
         let no: Vec<io::Error> = vec![
-            Error::TimedOut { addr }.into(),
+            Error::TimedOut {
+                addr,
+                stage: crate::error::ConnectStage::AwaitingReply,
+            }
+            .into(),
             Error::DeviceNotFound {
                 name: "mlx5_9".into(),
             }

@@ -67,3 +67,61 @@ where
     }
     panic!("the peer did not come up: {last:?}");
 }
+
+/// File descriptors this process has open now.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .count()
+}
+
+/// The counts that must return to the start once connections are gone:
+/// everything but the device's cache of idle send buffers (kept for reuse,
+/// at most 4 MiB), whose regions and bytes are taken out.
+pub fn without_cache(
+    r: tokio_rdma::stats::ResourceSnapshot,
+) -> (u64, u64, u64, u64, u64, u64, u64, u64, u64) {
+    (
+        r.queue_pairs,
+        r.completion_queues,
+        r.completion_channels,
+        r.memory_regions - r.idle_send_buffers,
+        r.registered_bytes - r.idle_send_buffers * 64 * 1024,
+        r.memory_windows,
+        r.protection_domains,
+        r.cm_ids,
+        r.cm_event_channels,
+    )
+}
+
+/// Waits (up to `settle`, a liveness bound) until the resources and fds
+/// are back at `start` (fds within `fd_slack`), then asserts it.
+pub async fn assert_back_to(
+    start: tokio_rdma::stats::ResourceSnapshot,
+    fds: usize,
+    fd_slack: usize,
+    settle: std::time::Duration,
+) {
+    use tokio_rdma::stats::resources;
+    let deadline = std::time::Instant::now() + settle;
+    loop {
+        let now = resources();
+        let back =
+            without_cache(now) == without_cache(start) && open_fds().abs_diff(fds) <= fd_slack;
+        if back || std::time::Instant::now() > deadline {
+            assert_eq!(
+                without_cache(now),
+                without_cache(start),
+                "{now:?} vs {start:?}"
+            );
+            assert!(
+                open_fds().abs_diff(fds) <= fd_slack,
+                "fds {} vs {fds} at the start",
+                open_fds()
+            );
+            assert!(now.idle_send_buffers <= 64, "{now:?}");
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
