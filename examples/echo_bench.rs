@@ -12,7 +12,12 @@
 //! ```
 //!
 //! Addresses go through the transport switch, so `tcp://` runs the same
-//! workload over the kernel's TCP. CPU time is read from `/proc/self/stat`
+//! workload over the kernel's TCP. `--message` (server and client) runs it
+//! over [`MessageEndpoint`] instead of a byte stream: each request is one
+//! message from the pool, the server sends the very buffer it received
+//! back, and the client sends each response back as its next request, so
+//! neither side copies or fills a payload after the first K (rdma:// only;
+//! messages above 4 KiB go by rendezvous, one RDMA READ by the receiver). CPU time is read from `/proc/self/stat`
 //! (user + system, all threads, 10 ms ticks); runs last seconds, so the
 //! tick is below 1 % of it. Under the TCG guest every clock read is a
 //! syscall (no vDSO), so each latency sample costs two syscalls that a host
@@ -27,8 +32,8 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand, ValueEnum};
 use hdrhistogram::Histogram;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio_rdma::RdmaConfig;
 use tokio_rdma::transport::{Listener, Stream, TransportAddr};
+use tokio_rdma::{MessageEndpoint, MessageListener, RdmaConfig};
 
 #[path = "shared/perftest.rs"]
 mod perftest;
@@ -66,6 +71,9 @@ enum Cmd {
         /// RdmaConfig::ring_size, bytes.
         #[arg(long, default_value_t = 65536)]
         ring_size: u32,
+        /// Serve MessageEndpoints (echo each message) instead of streams.
+        #[arg(long)]
+        message: bool,
     },
     /// One closed-loop run; prints one `result key=value ...` line.
     Client {
@@ -89,6 +97,9 @@ enum Cmd {
         /// RdmaConfig::ring_size, bytes.
         #[arg(long, default_value_t = 65536)]
         ring_size: u32,
+        /// Requests are messages on a MessageEndpoint (server `--message`).
+        #[arg(long)]
+        message: bool,
     },
     /// Every case, each in a fresh server process, plus perftest.
     Suite {
@@ -111,7 +122,8 @@ enum Cmd {
         /// The servers run on this other host (two hosts on a wire):
         /// `echo_bench server` on the ports of [`remote_port`] and perftest
         /// servers on 18520 (ib_send_lat -s 64), 18521 (ib_write_bw -s
-        /// 8192) and 18522 (-s 65536), restarted after each run
+        /// 8192), 18522 (-s 65536) and 18523 (-s 1048576), restarted after
+        /// each run
         /// (`integration/bench-pair-guest`). CPU is then this side's only.
         #[arg(long)]
         server_ip: Option<IpAddr>,
@@ -180,10 +192,105 @@ async fn serve(addr: TransportAddr, cfg: RdmaConfig) -> std::io::Result<()> {
     }
 }
 
+/// Echoes every message of every endpoint (the received buffer itself)
+/// until the peer closes; prints what [`serve`] prints.
+async fn serve_messages(addr: TransportAddr) -> std::io::Result<()> {
+    let listener = MessageListener::bind(addr.host_port()).await?;
+    println!("listening {}", listener.local_addr()?.port());
+    loop {
+        let (ep, _) = listener.accept().await?;
+        tokio::spawn(async move {
+            let mut total = 0u64;
+            while let Ok(Some(msg)) = ep.recv().await {
+                total += msg.len() as u64;
+                if ep.send(msg).await.is_err() {
+                    break;
+                }
+            }
+            eprintln!("endpoint done after {total} bytes: {:?}", ep.stats());
+            let _ = ep.close().await;
+            println!("closed {total} {}", cpu_us());
+        });
+    }
+}
+
+/// A message client gives up (an error naming its counters) when no
+/// response came for this long: a stall is a failure, not a slow figure.
+const STALL: Duration = Duration::from_secs(60);
+
 struct Run {
     hist: Histogram<u64>,
     secs: f64,
     cpu_us: u64,
+}
+
+/// [`closed_loop`] over a [`MessageEndpoint`]: K messages of `size` bytes in
+/// flight; each response goes back as the next request (no copy, no fill).
+async fn closed_loop_messages(
+    addr: TransportAddr,
+    size: usize,
+    in_flight: usize,
+    requests: u64,
+    warmup: u64,
+) -> std::io::Result<Run> {
+    let ep = MessageEndpoint::connect(addr.host_port()).await?;
+    let total = warmup + requests;
+    let mut hist = Histogram::<u64>::new(3).expect("histogram");
+    let mut sent = VecDeque::with_capacity(in_flight);
+    let mut posted = 0u64;
+    while posted < total.min(in_flight as u64) {
+        let mut buf = ep.pool().alloc_any(size).await?;
+        buf.spare_mut()[..size].fill(0x5a);
+        buf.set_len(size);
+        sent.push_back(Instant::now());
+        ep.send(buf).await?;
+        posted += 1;
+    }
+    let (mut start, mut cpu0) = (Instant::now(), cpu_us());
+    for i in 0..total {
+        if i == warmup {
+            (start, cpu0) = (Instant::now(), cpu_us());
+        }
+        let msg = tokio::time::timeout(STALL, ep.recv())
+            .await
+            .map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "no response for {STALL:?} after {i} responses; {:?}",
+                        ep.stats()
+                    ),
+                )
+            })??
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("the server closed after {i} responses"),
+                )
+            })?;
+        if msg.len() != size {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("response {i}: {} bytes, {size} sent", msg.len()),
+            ));
+        }
+        let t = sent.pop_front().expect("a request per response");
+        if i >= warmup {
+            hist.record(t.elapsed().as_nanos() as u64).expect("record");
+        }
+        if posted < total {
+            sent.push_back(Instant::now());
+            ep.send(msg).await?;
+            posted += 1;
+        }
+    }
+    let run = Run {
+        hist,
+        secs: start.elapsed().as_secs_f64(),
+        cpu_us: cpu_us() - cpu0,
+    };
+    ep.close().await?;
+    Ok(run)
 }
 
 /// K requests of `size` bytes in flight until `warmup + requests` came
@@ -272,8 +379,15 @@ fn main() -> std::process::ExitCode {
             runtime: flavor,
             busy_poll_us,
             ring_size,
+            message,
         } => {
-            if let Err(e) = runtime(flavor).block_on(serve(addr, config(busy_poll_us, ring_size))) {
+            let rt = runtime(flavor);
+            let served = if message {
+                rt.block_on(serve_messages(addr))
+            } else {
+                rt.block_on(serve(addr, config(busy_poll_us, ring_size)))
+            };
+            if let Err(e) = served {
                 eprintln!("echo_bench server: {e}");
                 return std::process::ExitCode::FAILURE;
             }
@@ -287,11 +401,18 @@ fn main() -> std::process::ExitCode {
             runtime: flavor,
             busy_poll_us,
             ring_size,
+            message,
         } => {
             let cfg = config(busy_poll_us, ring_size);
-            match runtime(flavor)
-                .block_on(closed_loop(addr, cfg, size, in_flight, requests, warmup))
-            {
+            let rt = runtime(flavor);
+            let run = if message {
+                rt.block_on(closed_loop_messages(
+                    addr, size, in_flight, requests, warmup,
+                ))
+            } else {
+                rt.block_on(closed_loop(addr, cfg, size, in_flight, requests, warmup))
+            };
+            match run {
                 Ok(r) => {
                     let h = &r.hist;
                     println!(
@@ -384,16 +505,48 @@ fn syscalls(summary: &str) -> f64 {
 
 /// The port of the long-running server for `c` on another host: 7701
 /// rdma current_thread, 7702 rdma multi-thread, 7703 rdma busy_poll 200 us,
-/// 7704 tcp, 7705 rdma current_thread with a 1 MiB ring.
+/// 7704 tcp, 7705 rdma current_thread with a 1 MiB ring, 7706 message
+/// endpoints (current_thread).
 fn remote_port(c: &Case) -> u16 {
     if c.ring != 65536 {
         return 7705;
     }
     match (c.scheme, c.runtime, c.busy_poll_us) {
         ("tcp", _, _) => 7704,
+        ("msg", _, _) => 7706,
         (_, Flavor::Multi, _) => 7702,
         (_, _, 0) => 7701,
         _ => 7703,
+    }
+}
+
+/// The transport address scheme of `c` (`msg` cases are rdma:// with
+/// `--message`).
+fn url_scheme(c: &Case) -> &'static str {
+    match c.scheme {
+        "msg" => "rdma",
+        other => other,
+    }
+}
+
+/// `--message` for message cases, nothing for streams.
+fn kind_args(c: &Case) -> &'static [&'static str] {
+    if c.scheme == "msg" {
+        &["--message"]
+    } else {
+        &[]
+    }
+}
+
+/// Measured requests of an echo case of `size` bytes: a quarter of the
+/// 64 B count, fewer for sizes above 64 KiB so that a case moves at most
+/// as many bytes as the 64 KiB one (at least 50).
+fn bulk_requests(requests: u64, size: usize) -> u64 {
+    let n = (requests / 4).max(100);
+    if size > 65536 {
+        (n * 65536 / size as u64).max(50)
+    } else {
+        n
     }
 }
 
@@ -429,6 +582,7 @@ async fn run_client(
             "--ring-size",
             &c.ring.to_string(),
         ])
+        .args(kind_args(c))
         .output()
         .await
         .ok()?;
@@ -469,7 +623,7 @@ fn outcome(
 /// Runs the client of `c` against the server for it on `peer`.
 async fn run_remote_case(peer: IpAddr, c: &Case, requests: u64) -> Option<Outcome> {
     let me = std::env::current_exe().ok()?;
-    let target = format!("{}://{peer}:{}", c.scheme, remote_port(c));
+    let target = format!("{}://{peer}:{}", url_scheme(c), remote_port(c));
     let result = run_client(tokio::process::Command::new(&me), c, &target, requests).await?;
     Some(outcome(&result, requests, 0.0, None))
 }
@@ -490,7 +644,7 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
     let mut server = wrap("server")
         .args([
             "server",
-            &format!("{}://{ip}:0", c.scheme),
+            &format!("{}://{ip}:0", url_scheme(c)),
             "--runtime",
             flavor_arg(c.runtime),
             "--busy-poll-us",
@@ -498,6 +652,7 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
             "--ring-size",
             &c.ring.to_string(),
         ])
+        .args(kind_args(c))
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -505,7 +660,7 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
     let mut lines = BufReader::new(server.stdout.take()?).lines();
     let port = lines.next_line().await.ok()??;
     let port = port.strip_prefix("listening ")?.to_string();
-    let target = format!("{}://{ip}:{port}", c.scheme);
+    let target = format!("{}://{ip}:{port}", url_scheme(c));
     let result = run_client(wrap("client"), c, &target, requests).await?;
     let closed = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
         .await
@@ -603,6 +758,14 @@ async fn suite(
             Current,
             200,
         ),
+        case(
+            "MessageEndpoint, current_thread, parked",
+            "msg",
+            64,
+            1,
+            Current,
+            0,
+        ),
         case("TCP, current_thread", "tcp", 64, 1, Current, 0),
     ];
     let mut bulk = vec![
@@ -627,6 +790,22 @@ async fn suite(
             "TCP 64 KiB x 8, current_thread",
             "tcp",
             65536,
+            8,
+            Current,
+            0,
+        ),
+        case(
+            "MessageEndpoint 64 KiB x 8, current_thread",
+            "msg",
+            65536,
+            8,
+            Current,
+            0,
+        ),
+        case(
+            "MessageEndpoint 1 MiB x 8, current_thread",
+            "msg",
+            1 << 20,
             8,
             Current,
             0,
@@ -711,9 +890,13 @@ async fn suite(
     for c in &bulk {
         let mut bw = common.clone();
         bw.extend(["-s".into(), c.size.to_string(), "-D".into(), "4".into()]);
-        let ib_bw = if c.scheme == "rdma" {
+        let ib_bw = if c.scheme != "tcp" {
             // perftest's "MB/sec" is MiB/s; ours is 10^6 bytes/s.
-            let port = if c.size == 8192 { 18521 } else { 18522 };
+            let port = match c.size {
+                8192 => 18521,
+                65536 => 18522,
+                _ => 18523,
+            };
             perf("ib_write_bw", bw, port)
                 .await
                 .and_then(|o| perftest::row(&o))
@@ -722,7 +905,7 @@ async fn suite(
         } else {
             None
         };
-        match run(c.clone(), (requests / 4).max(100)).await {
+        match run(c.clone(), bulk_requests(requests, c.size)).await {
             Some(o) => {
                 let mbs = o.rps * c.size as f64 / 1e6;
                 println!(
