@@ -287,6 +287,10 @@ impl RdmaConfig {
     /// RETRY_EXC_ERR, 12), never EOF, never a hang. A dead peer is so
     /// detected within `keepalive + 4.096 us x 2^ack_timeout x
     /// (retry_count + 1)` of the last traffic (defaults: 30 s + 0.47 s).
+    /// A probe still neither acknowledged nor failed when the next is due
+    /// (the queue pair stopped making progress without an error) fails the
+    /// connection with `TimedOut` (`Error::KeepaliveTimeout`), so a wedged
+    /// queue pair is an error within two keepalive periods.
     pub fn keepalive(mut self, idle: Option<Duration>) -> Self {
         self.keepalive = idle;
         self

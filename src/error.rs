@@ -285,6 +285,21 @@ pub enum Error {
         timeout: std::time::Duration,
     },
 
+    /// A keepalive probe, posted after `idle` without traffic, was still
+    /// neither acknowledged nor failed when the next one was due: the queue
+    /// pair stopped making progress without the RC transport reporting an
+    /// error (the RC retries fail a dead peer much sooner, with
+    /// [`Error::WorkCompletion`]; seen on rxe when the retry of an RDMA READ
+    /// under packet loss wedges the requester). Like TCP keepalive's
+    /// `ETIMEDOUT`, maps to [`io::ErrorKind::TimedOut`].
+    #[error(
+        "keepalive: a probe was neither acknowledged nor failed within {idle:?} (the queue pair stopped making progress)"
+    )]
+    KeepaliveTimeout {
+        /// The keepalive idle time ([`RdmaConfig::keepalive`](crate::RdmaConfig::keepalive)).
+        idle: std::time::Duration,
+    },
+
     /// The pool has no memory for a message the peer announced (`len`
     /// bytes; `source` says why: larger than the largest size class, or
     /// exhausted under [`ExhaustedPolicy::Error`](crate::pool::ExhaustedPolicy::Error)).
@@ -422,7 +437,7 @@ impl Error {
             Error::DeviceRemoved | Error::LocalAbort => io::ErrorKind::ConnectionAborted,
             Error::WriteAfterShutdown | Error::PeerClosed => io::ErrorKind::BrokenPipe,
             Error::NotConnected => io::ErrorKind::NotConnected,
-            Error::LingerTimeout { .. } => io::ErrorKind::TimedOut,
+            Error::LingerTimeout { .. } | Error::KeepaliveTimeout { .. } => io::ErrorKind::TimedOut,
             Error::Internal(_) => io::ErrorKind::Other,
         }
     }
@@ -629,6 +644,7 @@ impl Clone for Error {
             Error::NotConnected => Error::NotConnected,
             Error::LocalAbort => Error::LocalAbort,
             Error::LingerTimeout { timeout } => Error::LingerTimeout { timeout: *timeout },
+            Error::KeepaliveTimeout { idle } => Error::KeepaliveTimeout { idle: *idle },
             Error::IncomingMessageMemory { len, source } => Error::IncomingMessageMemory {
                 len: *len,
                 source: source.clone(),
@@ -796,6 +812,24 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(e.to_string(), e.clone().to_string());
+    }
+
+    #[test]
+    fn a_keepalive_timeout_is_timed_out_and_names_the_idle_time() {
+        let e = Error::KeepaliveTimeout {
+            idle: std::time::Duration::from_secs(30),
+        };
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(
+            e.to_string(),
+            "keepalive: a probe was neither acknowledged nor failed within 30s (the queue pair \
+             stopped making progress)"
+        );
+        let io: io::Error = e.clone().into();
+        assert!(matches!(
+            Error::from_io(&io),
+            Some(Error::KeepaliveTimeout { idle }) if idle.as_secs() == 30
+        ));
     }
 
     #[test]

@@ -570,6 +570,108 @@ async fn j_a_connect_across_a_partition_times_out() {
     }
 }
 
+/// Rendezvous both ways under 1 % loss and 5 ms delay: 125 messages of
+/// 64 KiB echoed with 8 in flight (the receiver of each RDMA READs it). On
+/// rxe (Debian 12's kernel) the retry of a READ whose response lost a
+/// packet can wedge the requester: no completion, no error, the QP stays in
+/// RTS. Either every echo comes back equal (CRC-32), or both sides fail with
+/// a typed error within the keepalive bound (keepalive 2 s here: a probe
+/// still outstanding one idle period later is `KeepaliveTimeout`,
+/// `TimedOut`; the peer then sees `ConnectionReset`), never a hang and
+/// never different bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k_rendezvous_echo_under_loss_completes_or_fails_typed() {
+    const PORT: u16 = 7811;
+    const COUNT: u64 = 125;
+    const LEN: usize = 64 * 1024;
+    let keepalive = Duration::from_secs(2);
+    let rdma = RdmaConfig::new().keepalive(Some(keepalive));
+    let cfg = MessageConfig::new().connection(rdma.clone());
+    // Liveness ceiling: the transfer itself, then two idle periods, the
+    // retry bound and the ABORT grace, with TCG's slack.
+    let ceiling = Duration::from_secs(120) + (keepalive * 2 + rdma.retry_bound()) * 3;
+    let typed = |e: &io::Error| {
+        matches!(
+            e.kind(),
+            io::ErrorKind::TimedOut | io::ErrorKind::ConnectionReset
+        ) && tokio_rdma::Error::from_io(e).is_some()
+    };
+    match role() {
+        Role::Server => {
+            let l = MessageListener::bind_with(at(PORT), &cfg).await.unwrap();
+            let (ep, _) = l.accept().await.unwrap();
+            let served = tokio::time::timeout(ceiling, async {
+                let mut n = 0u64;
+                loop {
+                    match ep.recv().await {
+                        Ok(Some(m)) => {
+                            ep.send(m).await?;
+                            n += 1;
+                        }
+                        Ok(None) => return Ok(n),
+                        Err(e) => return Err(e),
+                    }
+                }
+            })
+            .await
+            .expect("the server side ends: the client's close or a typed error");
+            match served {
+                Ok(n) => {
+                    assert_eq!(n, COUNT);
+                    ep.close().await.unwrap();
+                }
+                Err(e) => {
+                    assert!(typed(&e), "{e:?}");
+                    eprintln!("server: {e}");
+                    // The failed endpoint frees its QP once its last handle
+                    // is gone.
+                    drop(ep);
+                }
+            }
+            background_delivery_done().await;
+        }
+        Role::Client => {
+            let ep = retry(TRIES, || MessageEndpoint::connect_with(at(PORT), &cfg)).await;
+            let _netem = NetemGuard;
+            netem("replace dev DEV root netem loss 1% delay 5ms");
+            let outcome = tokio::time::timeout(ceiling, async {
+                let mut sent = std::collections::VecDeque::new();
+                let (mut posted, mut back) = (0u64, 0u64);
+                while back < COUNT {
+                    while posted < COUNT && sent.len() < 8 {
+                        let data = pattern_buf(100 + posted, LEN);
+                        sent.push_back(crc32fast::hash(&data));
+                        ep.send_copy(&data).await?;
+                        posted += 1;
+                    }
+                    let m = ep.recv().await?.expect("an echo, not a close");
+                    assert_eq!(m.len(), LEN);
+                    assert_eq!(
+                        crc32fast::hash(&m),
+                        sent.pop_front().unwrap(),
+                        "echo {back}"
+                    );
+                    back += 1;
+                }
+                ep.close().await?;
+                Ok::<_, io::Error>(back)
+            })
+            .await
+            .expect("the echo ends: every message back or a typed error");
+            match outcome {
+                Ok(n) => {
+                    assert_eq!(n, COUNT);
+                    eprintln!("rendezvous echo under loss: all {n} echoes equal");
+                }
+                Err(e) => {
+                    assert!(typed(&e), "{e:?}");
+                    eprintln!("rendezvous echo under loss: {e}");
+                }
+            }
+        }
+    }
+}
+
 /// The server host crashes while one connection is idle and two are in the
 /// middle of 64 MiB transfers, one each way: on the idle one keepalive (2 s
 /// here) probes, the RC retries run out, and the blocked read returns

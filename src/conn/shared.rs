@@ -98,14 +98,24 @@ pub(crate) trait Driven: Send + 'static {
     /// RST) instead of retrying into a QP in the error state.
     fn failure(&self) -> Option<bool>;
 
-    /// The connection was idle for the keepalive time: probe the peer (a
-    /// zero-length RDMA WRITE; a peer that is gone fails it after the retry
-    /// bound, which fails the connection).
-    fn probe(&mut self) {
-        if self.alive() {
-            if let Err(e) = self.qp_mut().post_probe() {
-                self.fail(e);
-            }
+    /// The connection was idle for the keepalive time (`idle`): probe the
+    /// peer (a zero-length RDMA WRITE; a peer that is gone fails it after
+    /// the retry bound, which fails the connection). A previous probe
+    /// still neither acknowledged nor failed a whole idle period later
+    /// means the queue pair stopped making progress without an error (rxe
+    /// does this when an RDMA READ's retry wedges its requester): that
+    /// fails the connection with [`Error::KeepaliveTimeout`].
+    fn probe(&mut self, idle: Duration) {
+        if !self.alive() {
+            return;
+        }
+        self.progress();
+        if self.qp().probe_outstanding() {
+            self.fail(Error::KeepaliveTimeout { idle });
+            return;
+        }
+        if let Err(e) = self.qp_mut().post_probe() {
+            self.fail(e);
         }
     }
 
@@ -310,7 +320,9 @@ async fn drive<D: Driven>(
                 }
             } => {
                 trace!("idle: keepalive probe");
-                shared.lock().probe();
+                if let Some(idle) = keepalive {
+                    shared.lock().probe(idle);
+                }
             }
             _ = async {
                 match abort_deadline {

@@ -522,6 +522,8 @@ pub(crate) struct RcQueuePair {
     cq: Arc<BasicCompletionQueue>,
     events: Arc<CqEventFd>,
     unacked_events: u32,
+    /// A keepalive probe was posted and its completion not polled yet.
+    probe_outstanding: std::sync::atomic::AtomicBool,
     /// Reused for the payload of inline WRs (no allocation per post).
     inline_scratch: Vec<u8>,
     max_inline: u32,
@@ -680,6 +682,7 @@ impl RcQueuePair {
             cq,
             events: Arc::new(events),
             unacked_events: 0,
+            probe_outstanding: std::sync::atomic::AtomicBool::new(false),
             inline_scratch: Vec::new(),
             max_inline: sizes.max_inline,
             ring_isolation,
@@ -972,7 +975,17 @@ impl RcQueuePair {
     pub(crate) fn post_probe(&mut self) -> Result<()> {
         let mut wr = Self::raw_send_wr(PROBE_WR_ID, ibv_wr_opcode::IBV_WR_RDMA_WRITE, true);
         // SAFETY: no SGEs: the WR names no memory.
-        unsafe { self.post_raw(&mut wr, "ibv_post_send (keepalive probe)") }
+        unsafe { self.post_raw(&mut wr, "ibv_post_send (keepalive probe)") }?;
+        self.probe_outstanding
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether the last keepalive probe has neither completed nor failed
+    /// yet (its completion was not polled).
+    pub(crate) fn probe_outstanding(&self) -> bool {
+        self.probe_outstanding
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Moves the QP to the error state: outstanding WRs complete with
@@ -1146,6 +1159,10 @@ impl RcQueuePair {
         match self.cq.start_poll() {
             Ok(poller) => {
                 for wc in poller {
+                    if wc.wr_id() == PROBE_WR_ID {
+                        self.probe_outstanding
+                            .store(false, std::sync::atomic::Ordering::Relaxed);
+                    }
                     let kind = match wc.opcode() {
                         rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RDMA_WRITE
                         | rdma_mummy_sys::ibv_wc_opcode::IBV_WC_SEND
