@@ -70,6 +70,15 @@ enum Cmd {
         /// RDMA device for the pool (default: the one serving `addr`).
         #[arg(long)]
         device: Option<String>,
+        /// Bytes per RDMA READ of a rendezvous message
+        /// (`MessageConfig::max_read_len`).
+        #[arg(long, default_value = "64KiB", value_parser = parse_size)]
+        max_read_len: u64,
+        /// Rendezvous messages being read at once
+        /// (`MessageConfig::max_rendezvous_in_flight`; both sides agree on
+        /// the smaller).
+        #[arg(long, default_value_t = 8)]
+        rendezvous_in_flight: u16,
     },
     /// Send a pattern or a file to a server.
     Client {
@@ -347,8 +356,16 @@ fn stats_line(side: &str, s: &MessageStats) -> String {
     )
 }
 
-async fn server(addr: SocketAddr, pool_bytes: u64, device: Option<String>) -> Result<(), String> {
-    let cfg = server_config(addr, pool_bytes, device)?;
+async fn server(
+    addr: SocketAddr,
+    pool_bytes: u64,
+    device: Option<String>,
+    max_read_len: u32,
+    rendezvous_in_flight: u16,
+) -> Result<(), String> {
+    let cfg = server_config(addr, pool_bytes, device)?
+        .max_read_len(max_read_len)
+        .max_rendezvous_in_flight(rendezvous_in_flight);
     let l = MessageListener::bind_with(addr, &cfg)
         .await
         .map_err(|e| format!("bind {addr}: {e}"))?;
@@ -507,7 +524,15 @@ async fn main() -> ExitCode {
             addr,
             pool_bytes,
             device,
-        } => server(addr, pool_bytes, device).await,
+            max_read_len,
+            rendezvous_in_flight,
+        } => {
+            let reads = u32::try_from(max_read_len).map_err(|_| "--max-read-len too large".into());
+            match reads {
+                Ok(r) => server(addr, pool_bytes, device, r, rendezvous_in_flight).await,
+                Err(e) => Err(e),
+            }
+        }
         Cmd::Client { addr, send, file } => client(addr, send, file).await,
         Cmd::Loopback { addr, send } => {
             if send.bytes.is_none() {
