@@ -20,6 +20,10 @@ use tokio_rdma::{RdmaListener, RdmaStream};
 #[allow(dead_code)]
 mod shared;
 
+#[path = "shared/echo.rs"]
+mod echo_loop;
+use echo_loop::echo as serve;
+
 #[derive(Parser)]
 #[command(about = "Echo server and client over RDMA streams")]
 struct Args {
@@ -52,20 +56,6 @@ enum Cmd {
 fn pattern(c: usize, i: u64) -> u8 {
     let seed = c as u64;
     shared::pattern_byte(seed, i)
-}
-
-async fn serve(mut s: RdmaStream) -> std::io::Result<u64> {
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut total = 0;
-    loop {
-        let n = s.read(&mut buf).await?;
-        if n == 0 {
-            s.shutdown().await?;
-            return Ok(total);
-        }
-        s.write_all(&buf[..n]).await?;
-        total += n as u64;
-    }
 }
 
 async fn client(addr: SocketAddr, c: usize, bytes: u64) -> Result<String, String> {

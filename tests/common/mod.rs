@@ -2,22 +2,11 @@
 //! signals to stop, resume or kill them, a connect retry and a stream echo.
 #![allow(dead_code)]
 
-/// Echoes everything `s` reads until EOF, then half-closes; returns the
-/// bytes echoed.
-pub async fn echo(mut s: tokio_rdma::RdmaStream) -> std::io::Result<u64> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut total = 0;
-    loop {
-        let n = s.read(&mut buf).await?;
-        if n == 0 {
-            s.shutdown().await?;
-            return Ok(total);
-        }
-        s.write_all(&buf[..n]).await?;
-        total += n as u64;
-    }
-}
+#[path = "../../examples/shared/echo.rs"]
+mod echo_loop;
+// Not every test binary uses it.
+#[allow(unused_imports)]
+pub use echo_loop::echo;
 
 /// The path of an example binary (`cargo test` builds them beside the
 /// test binaries).
