@@ -313,16 +313,17 @@ async fn drive<D: Driven>(
                 }
             } => {}
             // Idle for the keepalive time (any event above restarts it).
-            _ = async {
+            idle = async {
                 match keepalive {
-                    Some(idle) => tokio::time::sleep(idle).await,
+                    Some(idle) => {
+                        tokio::time::sleep(idle).await;
+                        idle
+                    }
                     None => std::future::pending().await,
                 }
             } => {
                 trace!("idle: keepalive probe");
-                if let Some(idle) = keepalive {
-                    shared.lock().probe(idle);
-                }
+                shared.lock().probe(idle);
             }
             _ = async {
                 match abort_deadline {

@@ -333,7 +333,7 @@ impl MsgState {
     fn drain(&mut self) {
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
-        if let Err(e) = self.qp.qp_ref().poll(&mut scratch) {
+        if let Err(e) = self.qp.as_mut().poll(&mut scratch) {
             self.fail(e);
         }
         for wc in &scratch {

@@ -523,7 +523,7 @@ pub(crate) struct RcQueuePair {
     events: Arc<CqEventFd>,
     unacked_events: u32,
     /// A keepalive probe was posted and its completion not polled yet.
-    probe_outstanding: std::sync::atomic::AtomicBool,
+    probe_outstanding: bool,
     /// Reused for the payload of inline WRs (no allocation per post).
     inline_scratch: Vec<u8>,
     max_inline: u32,
@@ -682,7 +682,7 @@ impl RcQueuePair {
             cq,
             events: Arc::new(events),
             unacked_events: 0,
-            probe_outstanding: std::sync::atomic::AtomicBool::new(false),
+            probe_outstanding: false,
             inline_scratch: Vec::new(),
             max_inline: sizes.max_inline,
             ring_isolation,
@@ -976,8 +976,7 @@ impl RcQueuePair {
         let mut wr = Self::raw_send_wr(PROBE_WR_ID, ibv_wr_opcode::IBV_WR_RDMA_WRITE, true);
         // SAFETY: no SGEs: the WR names no memory.
         unsafe { self.post_raw(&mut wr, "ibv_post_send (keepalive probe)") }?;
-        self.probe_outstanding
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.probe_outstanding = true;
         Ok(())
     }
 
@@ -985,7 +984,6 @@ impl RcQueuePair {
     /// yet (its completion was not polled).
     pub(crate) fn probe_outstanding(&self) -> bool {
         self.probe_outstanding
-            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Moves the QP to the error state: outstanding WRs complete with
@@ -1154,14 +1152,13 @@ impl RcQueuePair {
     }
 
     /// Drains the CQ into `out` without blocking.
-    pub(crate) fn poll(&self, out: &mut Vec<Completion>) -> Result<()> {
+    pub(crate) fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
         use sideway::ibverbs::completion::PollCompletionQueueError;
         match self.cq.start_poll() {
             Ok(poller) => {
                 for wc in poller {
                     if wc.wr_id() == PROBE_WR_ID {
-                        self.probe_outstanding
-                            .store(false, std::sync::atomic::Ordering::Relaxed);
+                        self.probe_outstanding = false;
                     }
                     let kind = match wc.opcode() {
                         rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RDMA_WRITE
