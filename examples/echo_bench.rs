@@ -17,9 +17,9 @@
 //! message from the pool, the server sends the very buffer it received
 //! back, and the client sends each response back as its next request, so
 //! neither side copies or fills a payload after the first K (rdma:// only;
-//! messages above 4 KiB go by rendezvous, one RDMA READ by the receiver). CPU time is read from `/proc/self/stat`
-//! (user + system, all threads, 10 ms ticks); runs last seconds, so the
-//! tick is below 1 % of it. Under the TCG guest every clock read is a
+//! messages above 4 KiB go by rendezvous: the receiver RDMA READs them).
+//! CPU time is read from `/proc/self/stat` (user + system, all threads,
+//! 10 ms ticks); runs last seconds, so the tick is below 1 % of it. Under the TCG guest every clock read is a
 //! syscall (no vDSO), so each latency sample costs two syscalls that a host
 //! with a vDSO clock does not pay; the syscall count leaves them out.
 
@@ -460,6 +460,8 @@ struct Case {
     runtime: Flavor,
     busy_poll_us: u64,
     ring: u32,
+    /// Over a MessageEndpoint (`--message`, rdma:// only) instead of a stream.
+    message: bool,
 }
 
 /// A finished case: the client's `result` fields and the server's CPU.
@@ -511,31 +513,20 @@ fn remote_port(c: &Case) -> u16 {
     if c.ring != 65536 {
         return 7705;
     }
+    if c.message {
+        return 7706;
+    }
     match (c.scheme, c.runtime, c.busy_poll_us) {
         ("tcp", _, _) => 7704,
-        ("msg", _, _) => 7706,
         (_, Flavor::Multi, _) => 7702,
         (_, _, 0) => 7701,
         _ => 7703,
     }
 }
 
-/// The transport address scheme of `c` (`msg` cases are rdma:// with
-/// `--message`).
-fn url_scheme(c: &Case) -> &'static str {
-    match c.scheme {
-        "msg" => "rdma",
-        other => other,
-    }
-}
-
 /// `--message` for message cases, nothing for streams.
 fn kind_args(c: &Case) -> &'static [&'static str] {
-    if c.scheme == "msg" {
-        &["--message"]
-    } else {
-        &[]
-    }
+    if c.message { &["--message"] } else { &[] }
 }
 
 /// Measured requests of an echo case of `size` bytes: a quarter of the
@@ -623,7 +614,7 @@ fn outcome(
 /// Runs the client of `c` against the server for it on `peer`.
 async fn run_remote_case(peer: IpAddr, c: &Case, requests: u64) -> Option<Outcome> {
     let me = std::env::current_exe().ok()?;
-    let target = format!("{}://{peer}:{}", url_scheme(c), remote_port(c));
+    let target = format!("{}://{peer}:{}", c.scheme, remote_port(c));
     let result = run_client(tokio::process::Command::new(&me), c, &target, requests).await?;
     Some(outcome(&result, requests, 0.0, None))
 }
@@ -644,7 +635,7 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
     let mut server = wrap("server")
         .args([
             "server",
-            &format!("{}://{ip}:0", url_scheme(c)),
+            &format!("{}://{ip}:0", c.scheme),
             "--runtime",
             flavor_arg(c.runtime),
             "--busy-poll-us",
@@ -660,7 +651,7 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
     let mut lines = BufReader::new(server.stdout.take()?).lines();
     let port = lines.next_line().await.ok()??;
     let port = port.strip_prefix("listening ")?.to_string();
-    let target = format!("{}://{ip}:{port}", url_scheme(c));
+    let target = format!("{}://{ip}:{port}", c.scheme);
     let result = run_client(wrap("client"), c, &target, requests).await?;
     let closed = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
         .await
@@ -731,6 +722,7 @@ async fn suite(
         runtime,
         busy_poll_us,
         ring: 65536,
+        message: false,
     };
     use Flavor::{Current, Multi};
     let latency = [
@@ -758,14 +750,17 @@ async fn suite(
             Current,
             200,
         ),
-        case(
-            "MessageEndpoint, current_thread, parked",
-            "msg",
-            64,
-            1,
-            Current,
-            0,
-        ),
+        Case {
+            message: true,
+            ..case(
+                "MessageEndpoint, current_thread, parked",
+                "rdma",
+                64,
+                1,
+                Current,
+                0,
+            )
+        },
         case("TCP, current_thread", "tcp", 64, 1, Current, 0),
     ];
     let mut bulk = vec![
@@ -794,22 +789,28 @@ async fn suite(
             Current,
             0,
         ),
-        case(
-            "MessageEndpoint 64 KiB x 8, current_thread",
-            "msg",
-            65536,
-            8,
-            Current,
-            0,
-        ),
-        case(
-            "MessageEndpoint 1 MiB x 8, current_thread",
-            "msg",
-            1 << 20,
-            8,
-            Current,
-            0,
-        ),
+        Case {
+            message: true,
+            ..case(
+                "MessageEndpoint 64 KiB x 8, current_thread",
+                "rdma",
+                65536,
+                8,
+                Current,
+                0,
+            )
+        },
+        Case {
+            message: true,
+            ..case(
+                "MessageEndpoint 1 MiB x 8, current_thread",
+                "rdma",
+                1 << 20,
+                8,
+                Current,
+                0,
+            )
+        },
     ];
     if server_ip.is_some() {
         // A wire whose bandwidth-delay product exceeds the default ring.
