@@ -124,16 +124,41 @@ pub(crate) async fn connect_any<S: Setup, A: tokio::net::ToSocketAddrs>(
 /// listener that stays full for the whole timeout refuses.
 pub(crate) async fn connect<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> {
     let deadline = tokio::time::Instant::now() + setup.rdma().connect_timeout;
+    retry_while_busy(addr, deadline, |stage| async move {
+        connect_inner(addr, setup, &stage).await
+    })
+    .await
+}
+
+/// Runs `attempt` until it ends with anything but a busy reject or
+/// `deadline` passes (the loop behind [`connect`]; each attempt gets a fresh
+/// [`Progress`] that names the step its timeout reports).
+async fn retry_while_busy<T, F, Fut>(
+    addr: SocketAddr,
+    deadline: tokio::time::Instant,
+    mut attempt: F,
+) -> Result<T>
+where
+    F: FnMut(Arc<Progress>) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
     let mut backoff = BUSY_BACKOFF_START;
+    // The last busy reject, if any attempt got one.
+    let mut busy: Option<Error> = None;
     loop {
-        let stage = Progress::default();
-        let attempt = tokio::time::timeout_at(deadline, connect_inner(addr, setup, &stage)).await;
-        match attempt {
+        let stage = Arc::new(Progress::default());
+        let result = tokio::time::timeout_at(deadline, attempt(stage.clone())).await;
+        match result {
+            // Ran out during a retry after a busy reject: the listener was
+            // full the last time it answered, so the connect is refused as
+            // full (as it is when the backoff leaves no time for one more
+            // try), not reported as a timeout of whatever step that retry
+            // happened to be at.
             Err(_) => {
-                return Err(Error::TimedOut {
+                return Err(busy.unwrap_or_else(|| Error::TimedOut {
                     addr,
                     stage: stage.get(),
-                });
+                }));
             }
             Ok(Err(
                 e @ Error::HandshakeRejected {
@@ -147,6 +172,7 @@ pub(crate) async fn connect<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::
                     return Err(e);
                 }
                 debug!(?backoff, "listener busy (backlog full); retrying");
+                busy = Some(e);
                 tokio::time::sleep(wait).await;
                 backoff = (backoff * 2).min(BUSY_BACKOFF_MAX);
             }
@@ -388,6 +414,7 @@ pub(crate) async fn accept_one<S: Setup>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn addr() -> SocketAddr {
         "10.12.0.1:7810".parse().unwrap()
@@ -455,5 +482,114 @@ mod tests {
             ),
             "{e:?}"
         );
+    }
+
+    fn busy() -> Error {
+        Error::HandshakeRejected {
+            addr: addr(),
+            reason: RejectReason::ServerResources,
+            server_version: 1,
+        }
+    }
+
+    fn is_busy(e: &Error) -> bool {
+        matches!(
+            e,
+            Error::HandshakeRejected {
+                reason: RejectReason::ServerResources,
+                ..
+            }
+        )
+    }
+
+    /// The timeout running out during the retry that follows a busy reject
+    /// refuses as busy; it is not a timeout of the step that retry was at.
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_during_a_busy_retry_refuses_as_busy() {
+        let start = tokio::time::Instant::now();
+        let deadline = start + Duration::from_secs(1);
+        let mut attempts = 0u32;
+        let e = retry_while_busy::<(), _, _>(addr(), deadline, |stage| {
+            attempts += 1;
+            let n = attempts;
+            async move {
+                if n <= 2 {
+                    return Err(busy());
+                }
+                stage.set(ConnectStage::ResolveRoute);
+                std::future::pending().await
+            }
+        })
+        .await
+        .unwrap_err();
+        assert!(is_busy(&e), "{e:?}");
+        assert_eq!(attempts, 3);
+        assert_eq!(tokio::time::Instant::now(), deadline);
+    }
+
+    /// With no busy reject before it, the timeout names the step.
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_without_a_busy_reject_names_the_step() {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        let e = retry_while_busy::<(), _, _>(addr(), deadline, |stage| async move {
+            stage.set(ConnectStage::AwaitingEstablished);
+            std::future::pending().await
+        })
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::TimedOut {
+                    stage: ConnectStage::AwaitingEstablished,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+
+    /// Busy rejects are retried until one attempt gets through; any other
+    /// error ends the loop at once.
+    #[tokio::test(start_paused = true)]
+    async fn busy_rejects_are_retried_and_other_errors_are_not() {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut attempts = 0u32;
+        let got = retry_while_busy(addr(), deadline, |_| {
+            attempts += 1;
+            let n = attempts;
+            async move { if n < 5 { Err(busy()) } else { Ok(n) } }
+        })
+        .await
+        .unwrap();
+        assert_eq!(got, 5);
+        let mut attempts = 0u32;
+        let e = retry_while_busy::<(), _, _>(addr(), deadline, |_| {
+            attempts += 1;
+            async move { Err(Error::ConnectionRefused { addr: addr() }) }
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(e, Error::ConnectionRefused { .. }), "{e:?}");
+        assert_eq!(attempts, 1);
+    }
+
+    /// A listener that stays full refuses before the deadline, after
+    /// backoffs that double from 10 ms to at most 200 ms (with jitter in
+    /// [0.5, 1.5)): at least 1 s / 300 ms attempts in a second.
+    #[tokio::test(start_paused = true)]
+    async fn a_listener_full_for_the_whole_timeout_refuses() {
+        let start = tokio::time::Instant::now();
+        let deadline = start + Duration::from_secs(1);
+        let mut attempts = 0u32;
+        let e = retry_while_busy::<(), _, _>(addr(), deadline, |_| {
+            attempts += 1;
+            async move { Err(busy()) }
+        })
+        .await
+        .unwrap_err();
+        assert!(is_busy(&e), "{e:?}");
+        assert!(tokio::time::Instant::now() < deadline);
+        assert!(attempts >= 4, "{attempts} attempts");
     }
 }
