@@ -53,6 +53,10 @@ const STALL_REPORT: Duration = Duration::from_secs(10);
 #[derive(Parser)]
 #[command(about = "Bulk transfer over MessageEndpoint with CRC-32 checks")]
 struct Args {
+    /// Log the transport's events at this level to stderr (error, warn,
+    /// info, debug, trace).
+    #[arg(long, global = true)]
+    log: Option<tracing::Level>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -376,7 +380,10 @@ async fn server(
     let (ep, peer) = l.accept().await.map_err(|e| format!("accept: {e}"))?;
     let start = Instant::now();
     eprintln!("bulk_transfer: {peer} connected on {}", ep.device());
-    let t = receive(ep, true).await?;
+    let watch = tokio::spawn(stall_reporter(Arc::new(Mutex::new(None)), Some(ep.clone())));
+    let t = receive(ep, true).await;
+    watch.abort();
+    let t = t?;
     let secs = (t.last - start).as_secs_f64().max(1e-9);
     println!(
         "received {} messages, {} bytes, {}",
@@ -399,8 +406,14 @@ async fn client(addr: SocketAddr, send: SendArgs, file: Option<PathBuf>) -> Resu
     let _ = out.write_all(b"connected\n").await;
     let _ = out.flush().await;
     let start = Instant::now();
-    let t = send_all(&ep, &mut src, send.message_size).await?;
+    let sender_watch = Arc::new(Mutex::new(Some(ep.clone())));
+    let watch = tokio::spawn(stall_reporter(Arc::clone(&sender_watch), None));
+    let t = send_all(&ep, &mut src, send.message_size).await;
     let secs = start.elapsed().as_secs_f64().max(1e-9);
+    // The reporter's clone must go too, or close waits for it.
+    sender_watch.lock().unwrap().take();
+    watch.abort();
+    let t = t?;
     // Every message was taken; disconnect before the runtime shuts down.
     ep.close().await.map_err(|e| format!("close: {e}"))?;
     println!(
@@ -418,7 +431,10 @@ async fn client(addr: SocketAddr, send: SendArgs, file: Option<PathBuf>) -> Resu
 /// nothing moved for [`STALL_REPORT`] (a stuck transfer says where it is).
 /// Holds the sender only through `sender`, which the caller empties before
 /// closing.
-async fn stall_reporter(sender: Arc<Mutex<Option<MessageEndpoint>>>, receiver: MessageEndpoint) {
+async fn stall_reporter(
+    sender: Arc<Mutex<Option<MessageEndpoint>>>,
+    receiver: Option<MessageEndpoint>,
+) {
     let mut last = None;
     let start = Instant::now();
     loop {
@@ -428,12 +444,12 @@ async fn stall_reporter(sender: Arc<Mutex<Option<MessageEndpoint>>>, receiver: M
             .unwrap()
             .as_ref()
             .map(|e| (e.stats(), e.pool().stats()));
-        let rcv = receiver.stats();
+        let rcv = receiver.as_ref().map(|r| (r.stats(), r.pool().stats()));
         let progress = (
-            snd.as_ref().map(|(s, _)| (s.messages_sent, s.wrs_posted)),
-            rcv.read_bytes,
-            rcv.messages_received,
-            rcv.wrs_posted,
+            snd.as_ref()
+                .map(|(s, _)| (s.messages_sent, s.control_received, s.wrs_posted)),
+            rcv.as_ref()
+                .map(|(r, _)| (r.read_bytes, r.messages_received, r.wrs_posted)),
         );
         if last.as_ref() == Some(&progress) {
             eprintln!(
@@ -443,12 +459,12 @@ async fn stall_reporter(sender: Arc<Mutex<Option<MessageEndpoint>>>, receiver: M
             );
             match &snd {
                 Some((s, p)) => eprintln!("  sender {s:?}\n  sender pool {p:?}"),
-                None => eprintln!("  sender closed"),
+                None if receiver.is_none() => eprintln!("  sender closed"),
+                None => {}
             }
-            eprintln!(
-                "  receiver {rcv:?}\n  receiver pool {:?}",
-                receiver.pool().stats()
-            );
+            if let Some((r, p)) = &rcv {
+                eprintln!("  receiver {r:?}\n  receiver pool {p:?}");
+            }
         }
         last = Some(progress);
     }
@@ -469,7 +485,7 @@ async fn loopback(addr: SocketAddr, send: SendArgs) -> Result<(), String> {
     let sep = s.map_err(|e| format!("accept: {e}"))?.0;
     let device = ep.device().to_string();
     let sender_watch = Arc::new(Mutex::new(Some(ep.clone())));
-    let watch = tokio::spawn(stall_reporter(Arc::clone(&sender_watch), sep.clone()));
+    let watch = tokio::spawn(stall_reporter(Arc::clone(&sender_watch), Some(sep.clone())));
     let receiver = tokio::spawn(receive(sep, !send.no_check));
     let start = Instant::now();
     let sent = send_all(&ep, &mut src, send.message_size).await;
@@ -519,7 +535,14 @@ async fn loopback(addr: SocketAddr, send: SendArgs) -> Result<(), String> {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
-    let r = match Args::parse().cmd {
+    let args = Args::parse();
+    if let Some(level) = args.log {
+        tracing_subscriber::fmt()
+            .with_max_level(level)
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    let r = match args.cmd {
         Cmd::Server {
             addr,
             pool_bytes,

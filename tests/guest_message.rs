@@ -511,7 +511,7 @@ async fn receiver_killed_mid_rendezvous_is_an_error_and_leaks_nothing() {
         .unwrap();
     let pool = rxe_pool(256 * MIB, ExhaustedPolicy::Wait);
     let cfg = MessageConfig::new().pool(pool.clone());
-    let client = retry(100, || MessageEndpoint::connect_with(addr.as_str(), &cfg)).await;
+    let client = retry(1200, || MessageEndpoint::connect_with(addr.as_str(), &cfg)).await;
     let mut buf = pool.alloc_any(128 * MIB).await.unwrap();
     buf.set_len(128 * MIB);
     client.send(buf).await.unwrap();
@@ -579,7 +579,7 @@ async fn killed_peer_resolves_every_waiting_future_with_an_error() {
         .unwrap();
     let pool = rxe_pool(256 * MIB, ExhaustedPolicy::Wait);
     let cfg = MessageConfig::new().pool(pool.clone()).send_queue_limit(4);
-    let ep = retry(100, || MessageEndpoint::connect_with(addr.as_str(), &cfg)).await;
+    let ep = retry(1200, || MessageEndpoint::connect_with(addr.as_str(), &cfg)).await;
     signal(&child, "STOP");
     // First an 8 MiB rendezvous the stopped peer never READs, so that no
     // flush can complete; then 64 send+flush futures (7 of 8 eager 4 KiB,
@@ -894,4 +894,57 @@ async fn keepalive_probes_keep_an_idle_endpoint_intact() {
     assert!(m[..] == pattern(401, 1 << 20)[..]);
     assert_eq!(server.stats().messages_received, 2);
     assert_eq!(client.stats().messages_sent, 2);
+}
+
+/// `flush` returns once the last work request outstanding completes, also
+/// when that WR released no message. After every 32 messages taken
+/// (`recv_queue_depth` / 4 with the default 128) an endpoint returns a
+/// CREDIT; a flush that found only that CREDIT outstanding was once woken
+/// by nothing but an unrelated later event (for ever on an endpoint with
+/// nothing else to do: seen across the two-host wire with 32 rendezvous
+/// messages, whose 32 DONEs make the sender return a CREDIT while its
+/// flush waits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flush_returns_when_the_last_wr_outstanding_is_a_credit() {
+    const ROUNDS: u64 = 6;
+    const BOUND: Duration = Duration::from_secs(30);
+    let cfg = MessageConfig::new();
+    let (client, server) = pair(&cfg, &cfg).await;
+    // Eager: the client takes 32 messages, then flushes (its CREDIT).
+    for round in 0..ROUNDS {
+        for i in 0..32 {
+            send_pattern(&server, round * 32 + i, 64).await;
+        }
+        for i in 0..32 {
+            let m = client.recv().await.unwrap().unwrap();
+            assert!(m[..] == pattern(round * 32 + i, 64)[..]);
+        }
+        tokio::time::timeout(BOUND, client.flush())
+            .await
+            .unwrap_or_else(|_| panic!("flush in eager round {round} never returned"))
+            .unwrap();
+    }
+    // Rendezvous (64 KiB > the 4 KiB eager limit): 32 DONEs per round.
+    let reader = tokio::spawn(async move {
+        for n in 0..ROUNDS * 32 {
+            let m = server.recv().await.unwrap().unwrap();
+            assert!(m[..] == pattern(1000 + n, 64 * 1024)[..], "message {n}");
+        }
+        server
+    });
+    for round in 0..ROUNDS {
+        for i in 0..32 {
+            send_pattern(&client, 1000 + round * 32 + i, 64 * 1024).await;
+        }
+        tokio::time::timeout(BOUND, client.flush())
+            .await
+            .unwrap_or_else(|_| panic!("flush in rendezvous round {round} never returned"))
+            .unwrap();
+    }
+    let server = reader.await.unwrap();
+    let (c, s) = (client.stats(), server.stats());
+    assert_eq!(c.rendezvous_sent, ROUNDS * 32);
+    assert_eq!(c.eager_received, ROUNDS * 32);
+    assert_eq!(c.credits_sent, 2 * ROUNDS, "{c:?}");
+    assert_eq!(s.messages_received, ROUNDS * 32);
 }

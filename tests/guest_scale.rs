@@ -306,7 +306,7 @@ async fn a_small_memlock_limit_is_a_typed_error_at_connect_and_auto_falls_back()
     // Up (as root, no limit) once an RDMA connect works.
     let addr: SocketAddr = format!("{IP}:{PORT}").parse().unwrap();
     let mut up = false;
-    for _ in 0..100 {
+    for _ in 0..1200 {
         if RdmaStream::connect(addr).await.is_ok() {
             up = true;
             break;

@@ -129,7 +129,8 @@ async fn hundred_concurrent_connections_both_ways() {
     let clients: Vec<_> = (0..100u64)
         .map(|c| {
             tokio::spawn(async move {
-                let s = RdmaStream::connect(addr).await.unwrap();
+                let cfg = RdmaConfig::new().connect_timeout(Duration::from_secs(120));
+                let s = RdmaStream::connect_with(addr, &cfg).await.unwrap();
                 echo_roundtrip(s, c, 1 << 20, 16 * 1024).await.unwrap()
             })
         })
@@ -328,7 +329,7 @@ async fn killed_peer_process_is_an_error_not_eof() {
         .spawn()
         .unwrap();
     let mut s = None;
-    for _ in 0..100 {
+    for _ in 0..1200 {
         match RdmaStream::connect(addr).await {
             Ok(c) => {
                 s = Some(c);
@@ -401,8 +402,16 @@ async fn linger_gives_up_on_a_peer_that_never_reads() {
     let data: Vec<u8> = (0..(8191 + 5003) as u64).map(|i| pattern(11, i)).collect();
     c.write_all(&data).await.unwrap();
     drop(c);
-    // Well past the linger: the client has torn the connection down.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Once the linger ran out the client tears its end down: only the
+    // server's QP is left (the suite runs one test at a time).
+    let start = std::time::Instant::now();
+    while tokio_rdma::stats::resources().queue_pairs > 1 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the client's end outlived its 1 s linger by a minute"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     let err = loop {
@@ -450,10 +459,9 @@ async fn backlog_bounds_unaccepted_connections() {
     for _ in 0..2 {
         held.push(RdmaStream::connect(addr).await.unwrap());
     }
-    // Wait until both sit in the accept queue; a third connect retries the
-    // busy rejects for its whole connect timeout (1 s here), then refuses.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let short = RdmaConfig::new().connect_timeout(Duration::from_secs(1));
+    // Both hold a backlog slot until accepted; a third connect retries the
+    // busy rejects for its whole connect timeout (5 s here), then refuses.
+    let short = RdmaConfig::new().connect_timeout(Duration::from_secs(5));
     match RdmaStream::connect_with(addr, &short).await {
         Err(e) => {
             assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused, "{e}");
@@ -574,7 +582,7 @@ async fn echo_child(port: u16) -> (tokio::process::Child, RdmaStream) {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    for _ in 0..100 {
+    for _ in 0..1200 {
         if let Ok(s) = RdmaStream::connect(addr.as_str()).await {
             return (child, s);
         }

@@ -680,6 +680,54 @@ async fn k_rendezvous_echo_under_loss_completes_or_fails_typed() {
 /// and the reader of the other fail too (every byte read before the crash
 /// equal to what was sent), never a silent success or EOF; then this
 /// side's verbs objects and fds are back where they were.
+/// One way, 32 rendezvous messages of 1 MiB, then `flush`: the receiver's
+/// 32 DONEs make the sender return a CREDIT (a quarter of the default
+/// `recv_queue_depth`), which is then the sender's last work request
+/// outstanding; its completion must wake the flush. (It did not, and across
+/// this wire, where the CREDIT's acknowledgement comes 44 ms later, the
+/// flush waited until an unrelated event: 120 s in the run that showed
+/// it.) The bound is a liveness ceiling: the transfer takes about 2.5 s
+/// here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l_a_one_way_rendezvous_burst_flushes() {
+    const PORT: u16 = 7812;
+    const COUNT: u64 = 32;
+    const LEN: usize = 1 << 20;
+    match role() {
+        Role::Server => {
+            let l = MessageListener::bind(at(PORT)).await.unwrap();
+            let (ep, _) = l.accept().await.unwrap();
+            let mut n = 0u64;
+            while let Some(m) = ep.recv().await.unwrap() {
+                assert_eq!(m.len(), LEN);
+                assert_eq!(
+                    crc32fast::hash(&m),
+                    crc32fast::hash(&pattern_buf(700 + n, LEN)),
+                    "message {n}"
+                );
+                n += 1;
+            }
+            assert_eq!(n, COUNT);
+            assert_eq!(ep.stats().rendezvous_received, COUNT);
+        }
+        Role::Client => {
+            let cfg = MessageConfig::new();
+            let ep = retry(TRIES, || MessageEndpoint::connect_with(at(PORT), &cfg)).await;
+            for n in 0..COUNT {
+                ep.send_copy(&pattern_buf(700 + n, LEN)).await.unwrap();
+            }
+            tokio::time::timeout(Duration::from_secs(40), ep.flush())
+                .await
+                .expect("flush of 32 one-way rendezvous messages never returned")
+                .unwrap();
+            let st = ep.stats();
+            assert_eq!(st.rendezvous_sent, COUNT);
+            assert_eq!(st.credits_sent, 1, "{st:?}");
+            ep.close().await.unwrap();
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
     const PORT: u16 = 7899;

@@ -192,9 +192,12 @@ impl MsgState {
             if let Err(e) = self.core.on_send_complete(wc.wr_id) {
                 self.fail(Error::Message(e));
             }
-            // A completed READ may have finished a message for the reader.
+            // A completed READ may have finished a message for the reader;
+            // the last WR outstanding (often a CREDIT or DONE, which release
+            // no message) completing is what a flush waits for.
             self.senders.wake_all();
             self.receivers.wake_all();
+            self.flushers.wake_all();
         }
     }
 
