@@ -60,6 +60,19 @@ fn pattern_buf(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// The config of the tests that move data but measure no failure bound:
+/// ack_timeout 16 (retry bound about 1.9 s instead of the default 0.47 s).
+/// rxe acknowledges in the guest's kernel, so a guest whose QEMU gets no
+/// CPU for half a second (a loaded host) would otherwise exhaust the
+/// retries of a healthy connection; a hardware NIC acknowledges by itself.
+fn wire() -> RdmaConfig {
+    RdmaConfig::new().ack_timeout(16)
+}
+
+fn wire_messages() -> MessageConfig {
+    MessageConfig::new().connection(wire())
+}
+
 /// Connects to the server guest, retrying while it is not listening yet.
 async fn connect(port: u16, cfg: &RdmaConfig) -> RdmaStream {
     retry(TRIES, || RdmaStream::connect_with(at(port), cfg)).await
@@ -91,7 +104,7 @@ async fn a_stream_echo_across_the_wire() {
     let sizes = [1usize, 4097, 1 << 20, 64 << 20];
     match role() {
         Role::Server => {
-            let l = RdmaListener::bind(at(PORT)).await.unwrap();
+            let l = RdmaListener::bind_with(at(PORT), &wire()).await.unwrap();
             for &len in &sizes {
                 let (s, _) = l.accept().await.unwrap();
                 assert_eq!(echo(s).await.unwrap(), len as u64);
@@ -108,7 +121,7 @@ async fn a_stream_echo_across_the_wire() {
             background_delivery_done().await;
         }
         Role::Client => {
-            let cfg = RdmaConfig::default();
+            let cfg = wire();
             for (i, &len) in sizes.iter().enumerate() {
                 echo_client(connect(PORT, &cfg).await, i as u64, len).await;
             }
@@ -130,7 +143,9 @@ async fn b_messages_across_the_wire() {
     let sizes = [0usize, 64, 4096, 4097, 64 << 20];
     match role() {
         Role::Server => {
-            let l = MessageListener::bind(at(PORT)).await.unwrap();
+            let l = MessageListener::bind_with(at(PORT), &wire_messages())
+                .await
+                .unwrap();
             let (ep, _) = l.accept().await.unwrap();
             while let Some(m) = ep.recv().await.unwrap() {
                 ep.send(m).await.unwrap();
@@ -138,7 +153,7 @@ async fn b_messages_across_the_wire() {
             ep.close().await.unwrap();
         }
         Role::Client => {
-            let cfg = MessageConfig::new();
+            let cfg = wire_messages();
             let ep = retry(TRIES, || MessageEndpoint::connect_with(at(PORT), &cfg)).await;
             for (i, &len) in sizes.iter().enumerate() {
                 let data = pattern_buf(i as u64, len);
@@ -696,7 +711,9 @@ async fn l_a_one_way_rendezvous_burst_flushes() {
     const LEN: usize = 1 << 20;
     match role() {
         Role::Server => {
-            let l = MessageListener::bind(at(PORT)).await.unwrap();
+            let l = MessageListener::bind_with(at(PORT), &wire_messages())
+                .await
+                .unwrap();
             let (ep, _) = l.accept().await.unwrap();
             let mut n = 0u64;
             while let Some(m) = ep.recv().await.unwrap() {
@@ -712,7 +729,7 @@ async fn l_a_one_way_rendezvous_burst_flushes() {
             assert_eq!(ep.stats().rendezvous_received, COUNT);
         }
         Role::Client => {
-            let cfg = MessageConfig::new();
+            let cfg = wire_messages();
             let ep = retry(TRIES, || MessageEndpoint::connect_with(at(PORT), &cfg)).await;
             for n in 0..COUNT {
                 ep.send_copy(&pattern_buf(700 + n, LEN)).await.unwrap();
