@@ -341,3 +341,101 @@ async fn a_small_memlock_limit_is_a_typed_error_at_connect_and_auto_falls_back()
     assert!(stdout.contains("server says: served "), "{stdout}");
     drop(server);
 }
+
+/// A server out of file descriptors (RLIMIT_NOFILE 64; a stream connection
+/// holds two) rejects what it cannot set up as busy and keeps serving: the
+/// client's connect retries the busy rejects for its connect timeout and is
+/// then refused (`HandshakeRejected { reason: ServerResources }`), the
+/// server logs the typed resource error naming the limit, and once the held
+/// connections close a new client gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_out_of_file_descriptors_refuses_and_keeps_serving() {
+    const PORT: u16 = 7814;
+    const NOFILE: usize = 64;
+    let mut server = tokio::process::Command::new("prlimit")
+        .arg(format!("--nofile={NOFILE}:{NOFILE}"))
+        .arg(example("migrate_tcp"))
+        .args(["serve", &format!("rdma://{IP}:{PORT}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("prlimit (util-linux) runs in the guest");
+    let mut log = server.stderr.take().unwrap();
+    let log = tokio::spawn(async move {
+        let mut text = String::new();
+        let _ = log.read_to_string(&mut text).await;
+        text
+    });
+    let addr: SocketAddr = format!("{IP}:{PORT}").parse().unwrap();
+    let short = RdmaConfig::new().connect_timeout(Duration::from_secs(3));
+    let mut held = Vec::new();
+    for _ in 0..1200 {
+        if let Ok(s) = RdmaStream::connect_with(addr, &short).await {
+            held.push(s);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(held.len(), 1, "the server came up");
+    let refused = loop {
+        match RdmaStream::connect_with(addr, &short).await {
+            Ok(s) => {
+                held.push(s);
+                assert!(held.len() < NOFILE, "more connections than descriptors");
+            }
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(
+        refused.kind(),
+        io::ErrorKind::ConnectionRefused,
+        "{refused}"
+    );
+    assert!(
+        matches!(
+            Error::from_io(&refused),
+            Some(Error::HandshakeRejected {
+                reason: tokio_rdma::error::RejectReason::ServerResources,
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    assert!(
+        held.len() >= 4,
+        "only {} connections before the limit",
+        held.len()
+    );
+    drop(held);
+    // The server frees the closed connections' descriptors; then it serves.
+    let target = format!("rdma://{IP}:{PORT}");
+    let mut answer = None;
+    for _ in 0..600 {
+        let out = tokio::process::Command::new(example("migrate_tcp"))
+            .args(["call", &target, "--size", "4096"])
+            .output()
+            .await
+            .unwrap();
+        if out.status.success() {
+            answer = Some(String::from_utf8_lossy(&out.stdout).into_owned());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let answer = answer.expect("the server serves again once connections closed");
+    assert!(
+        answer.starts_with(&format!("{target}: connected over rdma ")),
+        "{answer}"
+    );
+    assert!(answer.contains("server says: served "), "{answer}");
+    server.kill().await.unwrap();
+    let log = log.await.unwrap();
+    assert!(
+        log.contains(&format!(
+            "file descriptors (RLIMIT_NOFILE) exhausted (limit {NOFILE})"
+        )),
+        "{log}"
+    );
+    assert!(log.contains("ulimit -n"), "{log}");
+}

@@ -361,14 +361,21 @@ pub(crate) async fn accept_one<S: Setup>(
             return Ok(None);
         }
     };
-    // Each connection gets its own event channel (and driver).
-    let channel = EventChannel::new()?;
-    id.migrate(&channel)?;
-    let prepared = match new_qp(&id, cfg, setup.sizes()) {
-        Ok((dev, qp, device)) => setup.prepare(&dev, qp).await.map(|qp| (qp, device)),
+    // Each connection gets its own event channel (and driver). A failure
+    // to set up this side (out of file descriptors, locked memory, device
+    // objects) is a busy reject, which the client retries like a full
+    // backlog: the listener keeps serving.
+    let prepared = match EventChannel::new().and_then(|channel| {
+        id.migrate(&channel)?;
+        Ok((channel, new_qp(&id, cfg, setup.sizes())?))
+    }) {
+        Ok((channel, (dev, qp, device))) => setup
+            .prepare(&dev, qp)
+            .await
+            .map(|qp| (channel, qp, device)),
         Err(e) => Err(e),
     };
-    let (mut qp, device) = match prepared {
+    let (channel, mut qp, device) = match prepared {
         Ok(x) => x,
         Err(e) => {
             let _ = id.reject(&encode_reject(RejectReason::ServerResources));
