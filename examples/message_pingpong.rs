@@ -69,6 +69,21 @@ struct Args {
     /// Only the client, connecting to `--addr`.
     #[arg(long)]
     client: bool,
+    /// Receive buffers each endpoint keeps posted (its peer's eager
+    /// credit; `RdmaConfig::recv_queue_depth`, default 128).
+    #[arg(long)]
+    recv_queue_depth: Option<u16>,
+}
+
+impl Args {
+    /// The endpoints' config.
+    fn config(&self) -> MessageConfig {
+        let mut rdma = tokio_rdma::RdmaConfig::new();
+        if let Some(d) = self.recv_queue_depth {
+            rdma = rdma.recv_queue_depth(d);
+        }
+        MessageConfig::new().connection(rdma)
+    }
 }
 
 /// Checks message `i` of `size` bytes against the pattern (`scratch` is
@@ -200,7 +215,7 @@ async fn run_client(ep: &MessageEndpoint, args: &Args) -> Result<(), String> {
 
 /// One process: echo server task + client.
 async fn in_process(args: &Args) -> Result<(), String> {
-    let cfg = MessageConfig::new();
+    let cfg = args.config();
     let l = MessageListener::bind_with(args.addr, &cfg)
         .await
         .map_err(|e| format!("bind {}: {e}", args.addr))?;
@@ -320,8 +335,8 @@ async fn stream(
     Ok(())
 }
 
-async fn serve(addr: SocketAddr) -> Result<(), String> {
-    let l = MessageListener::bind_with(addr, &MessageConfig::new())
+async fn serve(addr: SocketAddr, cfg: MessageConfig) -> Result<(), String> {
+    let l = MessageListener::bind_with(addr, &cfg)
         .await
         .map_err(|e| format!("bind {addr}: {e}"))?;
     eprintln!(
@@ -343,9 +358,9 @@ async fn serve(addr: SocketAddr) -> Result<(), String> {
 async fn main() -> ExitCode {
     let args = Args::parse();
     let r = if args.server {
-        serve(args.addr).await
+        serve(args.addr, args.config()).await
     } else if args.client {
-        match MessageEndpoint::connect_with(args.addr, &MessageConfig::new()).await {
+        match MessageEndpoint::connect_with(args.addr, &args.config()).await {
             Ok(ep) => run_client(&ep, &args).await,
             Err(e) => Err(format!("connect {}: {e}", args.addr)),
         }

@@ -33,6 +33,13 @@ const WC_WR_FLUSH_ERR: u32 = 5;
 /// many are queued (or at `poll_flush`).
 const FEED_BATCH: usize = 32;
 
+/// `send()` posts at once while fewer than this many WRs are outstanding
+/// (a lone request goes out without delay); beyond it the message waits in
+/// the queue for the next completion, whose drain posts everything queued
+/// since with one doorbell. Every burst ends with a signaled WR, so that
+/// completion comes.
+const POST_AT_ONCE_BELOW: usize = 4;
+
 /// A message endpoint's connection: the core's shared connection around a
 /// [`MsgState`].
 pub(crate) type MsgConn = crate::conn::shared::Shared<MsgState>;
@@ -563,7 +570,8 @@ impl MsgConn {
                     .unwrap_or_else(|| Error::PeerDisconnected.into()),
             });
         }
-        if !defer || st.core.queued() >= FEED_BATCH {
+        let at_once = !defer && st.core.outstanding_wrs() < POST_AT_ONCE_BELOW;
+        if at_once || st.core.queued() >= FEED_BATCH {
             st.settle();
         }
         Ok(())

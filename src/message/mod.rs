@@ -452,6 +452,13 @@ impl MessageEndpoint {
     /// queued behind the peer's credit. The message's memory is released
     /// once the peer has it.
     ///
+    /// Posted at once while fewer than 4 work requests are outstanding (a
+    /// lone request waits for nothing); with more in flight it is posted
+    /// with the next completion, together with everything queued since
+    /// (one doorbell for the batch: what a `Sink` does by hand). Measured in
+    /// one guest run, 64 B messages with `send()` each went from 0.38-0.49
+    /// to 0.61-0.68 of `ib_send_bw -s 64`'s message rate.
+    ///
     /// # Errors
     /// `InvalidInput` for a message longer than `max_message_len`;
     /// `ConnectionReset` / `BrokenPipe` once the connection failed or the
