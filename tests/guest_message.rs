@@ -206,17 +206,12 @@ async fn exhausted_receiver_pool_with_error_policy_aborts_and_frees_everything()
     assert!(is_kind(&err, io::ErrorKind::ConnectionReset), "{err}");
     assert_eq!(
         before.bytes_in_use,
-        128 * 4096,
-        "the posted receive buffers"
+        16 * 4096,
+        "the posted receive buffers (16 at first)"
     );
     drop(server);
     drop(client);
-    for _ in 0..100 {
-        if small.stats().bytes_in_use == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_in_use_zero(&small).await;
     assert_eq!(
         small.stats().bytes_in_use,
         0,
@@ -894,4 +889,42 @@ async fn keepalive_probes_keep_an_idle_endpoint_intact() {
     assert!(m[..] == pattern(401, 1 << 20)[..]);
     assert_eq!(server.stats().messages_received, 2);
     assert_eq!(client.stats().messages_sent, 2);
+}
+
+/// An endpoint posts 16 receive buffers at first and doubles them each
+/// time its peer is about to run out of credit: a receiver that does not
+/// take 300 messages for a while ends with `recv_queue_depth` (128) posted,
+/// and every message arrives intact and in order once it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receive_buffers_grow_from_16_to_the_queue_depth_under_load() {
+    const COUNT: u64 = 300;
+    let cfg = MessageConfig::new();
+    let (client, server) = pair(&cfg, &cfg).await;
+    assert_eq!(server.stats().recv_buffers_posted, 16);
+    assert_eq!(client.stats().recv_buffers_posted, 16);
+    let sender = tokio::spawn(async move {
+        for i in 0..COUNT {
+            send_pattern(&client, 500 + i, 64).await;
+        }
+        client.flush().await.unwrap();
+        client
+    });
+    // Not taking anything: the sender fills every slot the receiver posts.
+    let start = std::time::Instant::now();
+    while server.stats().recv_buffers_posted < 128 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{:?}",
+            server.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for i in 0..COUNT {
+        let m = server.recv().await.unwrap().unwrap();
+        assert!(m[..] == pattern(500 + i, 64)[..], "message {i}");
+    }
+    let client = sender.await.unwrap();
+    assert_eq!(server.stats().recv_buffers_posted, 128);
+    assert_eq!(server.stats().messages_received, COUNT);
+    assert_eq!(client.stats().messages_sent, COUNT);
 }

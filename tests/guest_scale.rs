@@ -439,3 +439,142 @@ async fn a_server_out_of_file_descriptors_refuses_and_keeps_serving() {
     );
     assert!(log.contains("ulimit -n"), "{log}");
 }
+
+/// 1,024 message endpoints (2,048 ends in this process, all on one pool)
+/// connect at once; idle, each end keeps 16 receive buffers of 4 KiB posted
+/// and nothing else registered: exactly 64 KiB per end (1,024 makes the
+/// pool's 4 MiB slabs come out even). Then each client sends 16 pipelined
+/// 4 KiB messages and gets them echoed, bytes equal; closed, everything is
+/// released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_message_endpoints_on_one_pool_pin_64_kib_each_when_idle() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio_rdma::pool::{MemoryPool, PoolConfig};
+    use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener};
+    const N: usize = 1024;
+    const MESSAGES: u64 = 16;
+    const LEN: usize = 4096;
+    const PER_END: u64 = 16 * LEN as u64;
+    let pool_for = |max: u64| {
+        MemoryPool::for_device("rxe0", PoolConfig::new().max_registered_bytes(max))
+            .expect("rxe0 in the guest")
+    };
+    // Warm-up on a pool of its own, so the device is open before counting.
+    {
+        let warm = MessageConfig::new().pool(pool_for(64 << 20));
+        let l = MessageListener::bind_with(format!("{IP}:0"), &warm)
+            .await
+            .unwrap();
+        let addr = l.local_addr().unwrap();
+        let (c, s) = tokio::join!(MessageEndpoint::connect_with(addr, &warm), l.accept());
+        let (c, (s, _)) = (c.unwrap(), s.unwrap());
+        c.send_copy(b"warm").await.unwrap();
+        assert_eq!(&s.recv().await.unwrap().unwrap()[..], b"warm");
+        drop((c, s, l));
+    }
+    let deadline = Instant::now() + SETTLE;
+    while resources().queue_pairs != 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (start, fds) = (resources(), open_fds());
+
+    let pool = pool_for(1 << 30);
+    let cfg = MessageConfig::new()
+        .pool(pool.clone())
+        .connection(RdmaConfig::new().connect_timeout(CONNECT_TIMEOUT));
+    let l = MessageListener::bind_with(format!("{IP}:0"), &cfg)
+        .await
+        .unwrap();
+    let addr = l.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let server = {
+        let accepted = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            let mut echoes = JoinSet::new();
+            for _ in 0..N {
+                let (ep, _) = l.accept().await.unwrap();
+                accepted.fetch_add(1, Ordering::SeqCst);
+                echoes.spawn(async move {
+                    let mut n = 0u64;
+                    while let Some(m) = ep.recv().await? {
+                        ep.send(m).await?;
+                        n += 1;
+                    }
+                    ep.close().await?;
+                    Ok::<_, io::Error>(n)
+                });
+            }
+            let mut echoed = 0;
+            while let Some(r) = echoes.join_next().await {
+                echoed += r.unwrap().expect("server echo");
+            }
+            (l, echoed)
+        })
+    };
+    let mut connects = JoinSet::new();
+    for _ in 0..N {
+        let cfg = cfg.clone();
+        connects.spawn(async move { MessageEndpoint::connect_with(addr, &cfg).await });
+    }
+    let mut clients = Vec::with_capacity(N);
+    while let Some(r) = connects.join_next().await {
+        clients.push(r.unwrap().expect("connect"));
+    }
+    let deadline = Instant::now() + SETTLE;
+    while accepted.load(Ordering::SeqCst) < N && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(accepted.load(Ordering::SeqCst), N);
+
+    // Idle: 16 buffers of 4 KiB per end, and nothing else registered.
+    for c in &clients {
+        assert_eq!(c.stats().recv_buffers_posted, 16);
+    }
+    let p = pool.stats();
+    assert_eq!(p.bytes_in_use, 2 * N as u64 * PER_END, "{p:?}");
+    assert_eq!(p.bytes_registered, 2 * N as u64 * PER_END, "{p:?}");
+    let now = resources();
+    assert_eq!(now.queue_pairs - start.queue_pairs, 2 * N as u64);
+    assert_eq!(
+        without_cache(now).4 - without_cache(start).4,
+        2 * N as u64 * PER_END,
+        "registered bytes per end: {now:?}"
+    );
+
+    // Busy: 16 pipelined 4 KiB messages each way per endpoint.
+    let mut echoes = JoinSet::new();
+    for (seed, ep) in clients.into_iter().enumerate() {
+        let seed = seed as u64;
+        echoes.spawn(async move {
+            let mut buf = vec![0u8; LEN];
+            for m in 0..MESSAGES {
+                for (k, b) in buf.iter_mut().enumerate() {
+                    *b = pattern(seed, m * LEN as u64 + k as u64);
+                }
+                ep.send_copy(&buf).await?;
+            }
+            for m in 0..MESSAGES {
+                let back = ep.recv().await?.expect("the echo");
+                assert_eq!(back.len(), LEN);
+                for (k, &b) in back.iter().enumerate() {
+                    assert_eq!(
+                        b,
+                        pattern(seed, m * LEN as u64 + k as u64),
+                        "endpoint {seed}, message {m}, byte {k}"
+                    );
+                }
+            }
+            ep.close().await?;
+            Ok::<_, io::Error>(())
+        });
+    }
+    while let Some(r) = echoes.join_next().await {
+        r.unwrap().expect("echo of 16 messages");
+    }
+    let (l, echoed) = server.await.unwrap();
+    assert_eq!(echoed, N as u64 * MESSAGES);
+    drop((l, cfg, pool));
+    assert_back_to(start, fds, 2, SETTLE).await;
+}

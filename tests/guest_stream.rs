@@ -296,8 +296,8 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
             RejectReason::UnsupportedVersion,
         ),
         (
-            // rdma_cm pads it to 56 zero bytes: a v2 hello whose ring is 0.
-            hello_bytes(0x544B_5244, 2)[..10].to_vec(),
+            // rdma_cm pads it to 56 zero bytes: a v3 hello whose ring is 0.
+            hello_bytes(0x544B_5244, 3)[..10].to_vec(),
             RejectReason::Malformed,
         ),
     ];
@@ -309,7 +309,7 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
                 ..
             }) => {
                 assert_eq!(reason, want);
-                assert_eq!(server_version, 2, "the protocol version this build speaks");
+                assert_eq!(server_version, 3, "the protocol version this build speaks");
             }
             other => panic!("expected a reject with {want:?}, got {other:?}"),
         }

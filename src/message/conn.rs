@@ -269,6 +269,40 @@ impl MsgState {
         self.core.set_unposted_recvs(self.unposted);
     }
 
+    /// Posts the receive buffers the core wants beyond those it keeps
+    /// posted (the peer is about to block on credit: the posted slots
+    /// double, up to `recv_queue_depth`), as far as the pool allows now;
+    /// an exhausted pool only means no growth yet (the peer waits for
+    /// credit as before).
+    fn grow(&mut self) {
+        let want = self.core.wants_more_recv();
+        if want == 0 {
+            return;
+        }
+        let mut bufs = Vec::with_capacity(want.into());
+        for _ in 0..want {
+            match self.pool.try_alloc(self.eager_buf_len) {
+                Ok(b) => {
+                    let t = self.token();
+                    bufs.push((t, b));
+                }
+                Err(PoolError::Exhausted { .. }) => break,
+                Err(e) => {
+                    self.fail(e.into());
+                    return;
+                }
+            }
+        }
+        let n = bufs.len() as u16;
+        if n > 0 {
+            if let Err(e) = self.qp.post_recvs(bufs) {
+                self.fail(e);
+                return;
+            }
+            self.core.grow_recv(n);
+        }
+    }
+
     /// Allocates rendezvous destinations, in order.
     fn allocate(&mut self) {
         while let Some(&len) = self.allocs.front() {
@@ -317,6 +351,7 @@ impl MsgState {
             self.handle_events();
             if !self.peer_closed && !self.closing {
                 self.refill();
+                self.grow();
                 self.allocate();
             }
             let mut posted = false;

@@ -52,7 +52,7 @@ use crate::error::{Error, Result};
 use crate::pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolConfig};
 use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::message::{
-    MAX_MESSAGE_LEN, MessageCore, MessageError, MessageParams, RTS_HEADER_LEN,
+    MAX_MESSAGE_LEN, MessageCore, MessageError, MessageParams, RTS_HEADER_LEN, initial_recv_posted,
 };
 use crate::verbs::cm::CmId;
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
@@ -98,8 +98,10 @@ impl MessageConfig {
     }
 
     /// Connection settings shared with streams: timeouts, device, backlog,
-    /// linger, `send_queue_depth` (send WRs), `recv_queue_depth` (receive
-    /// buffers kept posted, 4..=1023), `inline_threshold` (eager messages of
+    /// linger, `send_queue_depth` (send WRs), `recv_queue_depth` (the most
+    /// receive buffers kept posted, 4..=1023: 16 at first, doubled each
+    /// time the peer is about to run out of credit), `inline_threshold`
+    /// (eager messages of
     /// at most this many bytes are copied into the WQE) and
     /// `signal_interval`. The ring and send-buffer sizes are not used.
     pub fn connection(mut self, rdma: RdmaConfig) -> Self {
@@ -110,8 +112,12 @@ impl MessageConfig {
     /// Bytes of each pre-posted receive buffer (default 4096). Messages up
     /// to the smaller of both sides' value go eagerly; larger ones by
     /// rendezvous. At least 20 (an RTS header) and at most the pool's
-    /// largest class. Receive memory per connection is
-    /// `recv_queue_depth * eager_buf_len` (default 128 * 4 KiB = 512 KiB).
+    /// largest class. Receive memory per connection is `eager_buf_len`
+    /// times the buffers posted: 16 at first (64 KiB by default, what an
+    /// idle endpoint keeps), up to `recv_queue_depth` (128, 512 KiB) while
+    /// the peer sends faster than credit comes back (see
+    /// `MessageStats::recv_buffers_posted`). A busy endpoint keeps what it
+    /// grew to until it closes.
     pub fn eager_buf_len(mut self, bytes: u32) -> Self {
         self.eager_buf_len = bytes;
         self
@@ -174,7 +180,8 @@ impl MessageConfig {
     /// application takes messages; they do not fail and other endpoints on
     /// the pool are not held up. A single message larger than the quota is
     /// still admitted when the endpoint holds nothing. Eager receive
-    /// buffers are bounded separately (`recv_queue_depth * eager_buf_len`).
+    /// buffers are bounded separately (at most `recv_queue_depth *
+    /// eager_buf_len`).
     /// The idea comes from brpc's shared block pool, where one peer could
     /// fill the pool for every connection (brpc issue 3431).
     pub fn pool_quota(mut self, bytes: u64) -> Self {
@@ -198,6 +205,8 @@ impl MessageConfig {
         MessageParams {
             recv_depth: self.rdma.recv_queue_depth,
             peer_recv_depth,
+            recv_initial: initial_recv_posted(self.rdma.recv_queue_depth),
+            peer_recv_initial: initial_recv_posted(peer_recv_depth),
             eager_buf_len: self.eager_buf_len,
             peer_eager_buf_len,
             eager_max: self.eager_buf_len.min(peer_eager_buf_len),
@@ -311,8 +320,14 @@ impl Setup for MessageSetup {
                 + 4,
             recv_depth: r.recv_queue_depth.into(),
             max_inline: r.inline_threshold,
-            send_buf: MessageQp::scratch_len(r.send_queue_depth),
-            // Small (32 bytes per send-queue slot) and used by every RTS.
+            // RTS headers (20 bytes) go inline unless inline_threshold is
+            // below that; only then do they need registered scratch (32
+            // bytes per send-queue slot).
+            send_buf: if r.inline_threshold >= RTS_HEADER_LEN as u32 {
+                0
+            } else {
+                MessageQp::scratch_len(r.send_queue_depth)
+            },
             send_buf_on_demand: false,
             recv_ring: 0,
         }
@@ -349,8 +364,11 @@ impl Setup for MessageSetup {
                 allowed: "20..=the pool's largest class, bytes",
             });
         }
-        let mut recv = Vec::with_capacity(self.0.rdma.recv_queue_depth.into());
-        for _ in 0..self.0.rdma.recv_queue_depth {
+        // The first receive buffers; the rest of `recv_queue_depth` is
+        // posted while the peer's traffic needs it (`wants_more_recv`).
+        let initial = initial_recv_posted(self.0.rdma.recv_queue_depth);
+        let mut recv = Vec::with_capacity(initial.into());
+        for _ in 0..initial {
             recv.push(pool.alloc(len).await?);
         }
         Ok(PreparedQp {
@@ -362,7 +380,8 @@ impl Setup for MessageSetup {
 
     fn on_init(&self, qp: &mut PreparedQp) -> Result<Hello> {
         let bufs = std::mem::take(&mut qp.recv);
-        // Tokens 1..=recv_queue_depth; the runtime counts on from there.
+        // Tokens from 1 (at most recv_queue_depth of them); the runtime
+        // counts on from recv_queue_depth + 1.
         qp.qp
             .post_recvs(bufs.into_iter().zip(1u64..).map(|(b, t)| (t, b)).collect())?;
         Ok(Hello {
@@ -378,6 +397,14 @@ impl Setup for MessageSetup {
 
     fn finish(&self, est: Established<PreparedQp>) -> Result<(Handle<MsgState>, MemoryPool)> {
         let max_inline = est.qp.qp.qp_ref().max_inline();
+        if max_inline < RTS_HEADER_LEN as u32 && est.qp.qp.qp_ref().send_buf().is_none() {
+            // Asked for inline RTS headers, but the device granted less.
+            return Err(Error::InvalidConfig {
+                field: "inline_threshold",
+                value: max_inline.into(),
+                allowed: "a device granting 20 bytes of inline data, or below 20",
+            });
+        }
         let mut params = self
             .0
             .params(est.peer.ring_len, est.peer.recv_depth, max_inline);

@@ -13,7 +13,7 @@
 //! | offset | size | field        | value                                              |
 //! |-------:|-----:|--------------|----------------------------------------------------|
 //! | 0      | 4    | magic        | [`MAGIC`] = `0x544B_5244` (`"TKRD"`)               |
-//! | 4      | 2    | version      | [`VERSION`] = 1                                    |
+//! | 4      | 2    | version      | [`VERSION`] = 3                                    |
 //! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
 //! | 7      | 1    | flags        | 0 (ignored on receipt)                             |
 //! | 8      | 8    | ring_addr    | byte stream: virtual address of the sender's receive ring; message endpoint: `max_message_len`, bytes, `1..=2^48` |
@@ -42,8 +42,11 @@ pub const MAGIC: u32 = 0x544B_5244;
 
 /// The protocol version this crate speaks (and the only one it accepts).
 /// Version 2 added the message endpoint's limits and keys the stream ring by
-/// a memory window.
-pub const VERSION: u16 = 2;
+/// a memory window; version 3 makes a message endpoint post only
+/// `min(recv_depth, 16)` receive buffers at first, so its peer's initial
+/// credit is that, not `recv_depth`
+/// ([`initial_recv_posted`](crate::proto::message::initial_recv_posted)).
+pub const VERSION: u16 = 3;
 
 /// Length in bytes of an encoded [`Hello`].
 pub const HELLO_LEN: usize = 32;
@@ -466,7 +469,7 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x02, // version
+                0x00, 0x03, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
@@ -557,13 +560,13 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        for found in [0u16, 1, 3] {
+        for found in [0u16, 1, 2, 4] {
             bytes[4..6].copy_from_slice(&found.to_be_bytes());
             assert_eq!(
                 Hello::decode(&bytes),
                 Err(HandshakeError::UnsupportedVersion {
                     found,
-                    supported: 2
+                    supported: 3
                 })
             );
         }
@@ -658,7 +661,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x02, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x03, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);

@@ -107,6 +107,22 @@ use crate::proto::handshake::{MAX_RECV_DEPTH, MIN_RECV_DEPTH};
 /// They are kept for CREDIT and DONE, so credit can always flow back.
 pub const CONTROL_RESERVE: u16 = 2;
 
+/// Receive buffers an endpoint posts when it connects, at most its
+/// `recv_depth`: [`initial_recv_posted`]. Both sides derive it from the
+/// depth the other advertised, so the handshake carries no extra field.
+pub const INITIAL_RECV_POSTED: u16 = 16;
+
+/// The receive buffers an endpoint with `recv_depth` slots posts at first
+/// (and the credit its peer starts with): `min(recv_depth, 16)`. More are
+/// posted while the peer's traffic needs them ([`MessageCore::wants_more_recv`]).
+pub const fn initial_recv_posted(recv_depth: u16) -> u16 {
+    if recv_depth < INITIAL_RECV_POSTED {
+        recv_depth
+    } else {
+        INITIAL_RECV_POSTED
+    }
+}
+
 /// Length of an RTS payload: 20 bytes (message length u64, remote address
 /// u64, rkey u32, all big-endian).
 pub const RTS_HEADER_LEN: usize = 20;
@@ -479,6 +495,13 @@ pub struct MessageParams {
     pub recv_depth: u16,
     /// Receive buffers the peer keeps posted, 4..=1023.
     pub peer_recv_depth: u16,
+    /// Receive buffers this side posts at first, `4..=recv_depth` (the
+    /// runtime uses [`initial_recv_posted`]); the other `recv_depth -
+    /// recv_initial` slots are reserved until [`MessageCore::grow_recv`].
+    pub recv_initial: u16,
+    /// The peer's `recv_initial`: this side's initial credit,
+    /// `4..=peer_recv_depth`.
+    pub peer_recv_initial: u16,
     /// Length of each of this side's receive buffers, bytes,
     /// `1..=`[`MAX_EAGER_BUF_LEN`]. At least [`RTS_HEADER_LEN`].
     pub eager_buf_len: u32,
@@ -725,6 +748,11 @@ pub struct MessageStats {
     /// Times a rendezvous destination waited because the endpoint was at
     /// its pool quota (filled by the endpoint).
     pub quota_stalls: u64,
+    /// Receive buffers the endpoint keeps posted now: 16 at first (or
+    /// `recv_queue_depth` if smaller), doubled while the peer's traffic needs
+    /// more, up to `recv_queue_depth`; each is `eager_buf_len` bytes of pool
+    /// memory.
+    pub recv_buffers_posted: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -799,7 +827,6 @@ enum Action {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MessageCore {
     p: MessageParams,
-    credit_threshold: u16,
 
     // Send side.
     queue: VecDeque<OutboundMessage>,
@@ -830,6 +857,9 @@ pub struct MessageCore {
     to_return: u16,
     /// Receive slots the runtime could not repost yet (no free buffer).
     unposted: u16,
+    /// Receive slots without a buffer by policy: the peer has not needed
+    /// them yet ([`MessageCore::grow_recv`] posts them).
+    reserved: u16,
 
     // Lifecycle.
     local_abort: Option<(u32, bool)>,
@@ -862,7 +892,7 @@ fn check(
 
 impl MessageCore {
     /// Creates the state machine of a freshly connected endpoint: nothing
-    /// queued, full credit (`peer_recv_depth`).
+    /// queued, credit `peer_recv_initial`.
     ///
     /// # Errors
     ///
@@ -878,6 +908,18 @@ impl MessageCore {
             p.peer_recv_depth.into(),
             depth,
             "4..=1023",
+        )?;
+        check(
+            "recv_initial",
+            p.recv_initial.into(),
+            u64::from(MIN_RECV_DEPTH)..u64::from(p.recv_depth) + 1,
+            "4..=recv_depth",
+        )?;
+        check(
+            "peer_recv_initial",
+            p.peer_recv_initial.into(),
+            u64::from(MIN_RECV_DEPTH)..u64::from(p.peer_recv_depth) + 1,
+            "4..=peer_recv_depth",
         )?;
         check(
             "eager_buf_len",
@@ -929,11 +971,10 @@ impl MessageCore {
         )?;
         Ok(MessageCore {
             p,
-            credit_threshold: (p.recv_depth / 4).max(2),
             queue: VecDeque::new(),
             rts_outstanding: VecDeque::new(),
             next_rts_seq: 0,
-            peer_credit: p.peer_recv_depth,
+            peer_credit: p.peer_recv_initial,
             next_wr_id: 1,
             outstanding: VecDeque::new(),
             unsignaled_run: 0,
@@ -945,8 +986,11 @@ impl MessageCore {
             next_done_seq: 0,
             next_rts_seq_in: 0,
             rdv_in: 0,
-            to_return: 0,
+            // The reserved slots count as held back from the peer: they
+            // are "returnable" only once a buffer backs them.
+            to_return: p.recv_depth - p.recv_initial,
             unposted: 0,
+            reserved: p.recv_depth - p.recv_initial,
             local_abort: None,
             peer_abort: None,
             lost: false,
@@ -1076,12 +1120,56 @@ impl MessageCore {
         // unposted <= held + (to_return - count).
         let held = u16::try_from(self.held()).unwrap_or(u16::MAX);
         let cover = held.saturating_add(self.to_return);
-        self.to_return.min(cover.saturating_sub(self.unposted))
+        self.to_return
+            .min(cover.saturating_sub(self.unposted.saturating_add(self.reserved)))
+    }
+
+    /// CREDIT goes out once `max(2, posted / 4)` slots are creditable,
+    /// `posted` being the slots backed by a buffer by policy.
+    fn credit_threshold(&self) -> u16 {
+        ((self.p.recv_depth - self.reserved) / 4).max(2)
     }
 
     fn credit_due(&self) -> Option<u32> {
         let n = self.creditable();
-        (n >= self.credit_threshold).then_some(u32::from(n))
+        (n >= self.credit_threshold()).then_some(u32::from(n))
+    }
+
+    /// Receive buffers the runtime should post beyond those it keeps
+    /// posted: non-zero while slots are reserved and the peer's credit as
+    /// this side can bound it (`recv_depth` minus the slots held here,
+    /// messages in flight included) is at most `CONTROL_RESERVE + 1`, that
+    /// is the peer is about to block on credit. Then the posted slots
+    /// double (at most up to `recv_depth`). Post them, then call
+    /// [`grow_recv`](MessageCore::grow_recv).
+    pub fn wants_more_recv(&self) -> u16 {
+        if self.reserved == 0 || self.lost || self.peer_abort.is_some() {
+            return 0;
+        }
+        let here = u32::from(self.to_return) + self.held();
+        let peer = u32::from(self.p.recv_depth).saturating_sub(here);
+        if peer > u32::from(CONTROL_RESERVE) + 1 {
+            return 0;
+        }
+        self.reserved.min(self.p.recv_depth - self.reserved)
+    }
+
+    /// The runtime posted `n` more receive buffers (after
+    /// [`wants_more_recv`](MessageCore::wants_more_recv)): that many
+    /// reserved slots become creditable. At most the reserved slots count.
+    pub fn grow_recv(&mut self, n: u16) {
+        self.reserved -= n.min(self.reserved);
+    }
+
+    /// Receive slots backed by a buffer by policy (`recv_depth` less the
+    /// reserved ones): what the runtime keeps posted.
+    pub fn recv_posted(&self) -> u16 {
+        self.p.recv_depth - self.reserved
+    }
+
+    /// Receive slots still reserved (no buffer yet).
+    pub fn recv_reserved(&self) -> u16 {
+        self.reserved
     }
 
     /// Tells the core how many receive slots have no buffer posted right
@@ -1650,7 +1738,10 @@ impl MessageCore {
 
     /// The endpoint's counters.
     pub fn stats(&self) -> MessageStats {
-        self.stats
+        MessageStats {
+            recv_buffers_posted: self.recv_posted().into(),
+            ..self.stats
+        }
     }
 
     /// Receive slots held for the peer: returnable plus held by untaken

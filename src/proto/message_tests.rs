@@ -65,6 +65,9 @@ fn content(side: usize, idx: u64, len: u64) -> Vec<u8> {
 #[derive(Debug, Clone, Copy)]
 struct Cfg {
     recv_depth: u16,
+    /// Receive buffers posted at first (the rest is reserved until the
+    /// core wants more); capped at `recv_depth`.
+    recv_initial: u16,
     eager_buf_len: u32,
     eager_max: u32,
     inline_threshold: u32,
@@ -79,6 +82,7 @@ impl Default for Cfg {
     fn default() -> Cfg {
         Cfg {
             recv_depth: 64,
+            recv_initial: 64,
             eager_buf_len: 8192,
             eager_max: 8192,
             inline_threshold: 64,
@@ -95,6 +99,9 @@ fn params(local: Cfg, peer: Cfg) -> MessageParams {
     MessageParams {
         recv_depth: local.recv_depth,
         peer_recv_depth: peer.recv_depth,
+        // A config that lowers recv_depth alone posts it all at first.
+        recv_initial: local.recv_initial.min(local.recv_depth),
+        peer_recv_initial: peer.recv_initial.min(peer.recv_depth),
         eager_buf_len: local.eager_buf_len,
         peer_eager_buf_len: peer.eager_buf_len,
         eager_max: local.eager_max.min(peer.eager_max),
@@ -147,6 +154,8 @@ struct Side {
     allocating: bool,
     /// Whether `drive` lets the application take messages.
     reading: bool,
+    /// Receive buffers posted beyond the initial ones (growth).
+    grown: u64,
 }
 
 const A: usize = 0;
@@ -169,6 +178,7 @@ impl Side {
             allocs: VecDeque::new(),
             allocating: true,
             reading: true,
+            grown: 0,
         }
     }
 
@@ -257,9 +267,16 @@ impl Side {
         true
     }
 
-    /// Handles the core's events; returns how many.
+    /// Handles the core's events (and posts the receive buffers it wants
+    /// beyond those kept posted); returns how many.
     fn events(&mut self) -> usize {
         let mut n = 0;
+        let more = self.core.wants_more_recv();
+        if more > 0 {
+            self.core.grow_recv(more);
+            self.grown += u64::from(more);
+            n += 1;
+        }
         while let Some(e) = self.core.poll_event() {
             n += 1;
             match e {
@@ -460,6 +477,14 @@ impl Pair {
                 u64::from(src.core.peer_credit()) + sends + u64::from(dst.core.unreturned()) + back,
                 u64::from(dst.core.params().recv_depth),
                 "credit of side {from}"
+            );
+            // No RNR: whatever src may still send (in flight, its credit
+            // and credit on its way back) lands in posted buffers; the
+            // reserved slots are among those held back at dst.
+            assert!(
+                dst.core.unreturned() >= u32::from(dst.core.recv_reserved()),
+                "side {} returned credit for reserved slots",
+                1 - from
             );
         }
     }
@@ -691,6 +716,51 @@ fn interleaved_eager_and_rendezvous_keep_send_order() {
 }
 
 // ----- credit ---------------------------------------------------------------------
+
+/// A receiver starts with part of its slots reserved: the sender's credit
+/// is the initial posting, CREDIT never covers a reserved slot, and the
+/// posted slots double each time the sender is about to block, up to
+/// `recv_depth`.
+#[test]
+fn reserved_receive_slots_are_posted_as_the_peer_needs_them() {
+    let cfg = Cfg {
+        recv_depth: 64,
+        recv_initial: 16,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    assert_eq!(pair.s[A].core.peer_credit(), 16);
+    assert_eq!(pair.s[B].core.recv_posted(), 16);
+    assert_eq!(pair.s[B].core.stats().recv_buffers_posted, 16);
+    // An idle pair posts nothing more.
+    pair.drive();
+    assert_eq!(pair.s[B].grown, 0);
+    // 16 credits less the 2 kept for control: 14 messages, then A waits.
+    pair.s[B].reading = false;
+    for _ in 0..200 {
+        pair.s[A].send(8).unwrap();
+    }
+    assert_eq!(pair.s[A].post_all(), 14);
+    pair.deliver_all(A);
+    // B holds 14 untaken messages: A's credit is at most 2, so B posts 16
+    // more (32 in all) and returns credit for them, but none for a
+    // reserved slot.
+    pair.s[B].events();
+    assert_eq!(pair.s[B].grown, 16);
+    assert_eq!(pair.s[B].core.recv_posted(), 32);
+    pair.assert_conservation();
+    pair.s[B].reading = true;
+    pair.drive();
+    pair.assert_conservation();
+    assert_eq!(pair.s[B].taken, 200);
+    // Busy for a while: every reserved slot got a buffer.
+    assert_eq!(pair.s[B].core.recv_posted(), 64);
+    assert_eq!(pair.s[B].core.recv_reserved(), 0);
+    assert_eq!(pair.s[B].grown, 48);
+    // A, which received nothing but CREDITs, grew as far as they needed.
+    assert_eq!(pair.s[A].core.recv_posted(), 16);
+    pair.assert_done();
+}
 
 #[test]
 fn credit_exhaustion_and_recovery_with_exact_counts() {
@@ -1286,8 +1356,15 @@ fn connection_lost_reclaims_and_stops() {
 
 fn random_cfg(rng: &mut Rng) -> Cfg {
     let eager_buf_len = rng.range(20, 300) as u32;
+    let recv_depth = rng.range(4, 12) as u16;
     Cfg {
-        recv_depth: rng.range(4, 12) as u16,
+        recv_depth,
+        // Half the time the runtime starts with part of the slots reserved.
+        recv_initial: if rng.chance(50) {
+            rng.range(4, u64::from(recv_depth)) as u16
+        } else {
+            recv_depth
+        },
         eager_buf_len,
         eager_max: rng.range(0, u64::from(eager_buf_len)) as u32,
         inline_threshold: rng.range(0, 40) as u32,
@@ -1365,9 +1442,11 @@ fn random_schedule(seed: u64) -> Pair {
 #[test]
 fn random_schedules_deliver_every_message_once_in_order_intact() {
     let mut totals = MessageStats::default();
+    let mut grown = 0;
     for seed in 1..=600 {
         let pair = random_schedule(seed);
         for side in [A, B] {
+            grown += pair.s[side].grown;
             let s = pair.s[side].core.stats();
             totals.messages_sent += s.messages_sent;
             totals.rendezvous_sent += s.rendezvous_sent;
@@ -1382,6 +1461,7 @@ fn random_schedules_deliver_every_message_once_in_order_intact() {
     assert!(totals.credit_stalls > 1000, "{totals:?}");
     assert!(totals.rendezvous_stalls > 100, "{totals:?}");
     assert!(totals.send_queue_stalls > 100, "{totals:?}");
+    assert!(grown > 500, "receive buffers grown: {grown}");
 }
 
 #[test]
@@ -1470,6 +1550,7 @@ fn explore(a: Cfg, b: Cfg, msgs: [&[u64]; 2]) -> usize {
 
 const TINY: Cfg = Cfg {
     recv_depth: 4,
+    recv_initial: 4,
     eager_buf_len: 20,
     eager_max: 1,
     inline_threshold: 0,
@@ -1487,7 +1568,13 @@ fn exhaustive_small_configurations_never_deadlock() {
         signal_interval: 1,
         ..TINY
     };
-    let cases: [(Cfg, Cfg, [&[u64]; 2], usize); 4] = [
+    // Two of six receive slots reserved at first on each side.
+    let grow = Cfg {
+        recv_depth: 6,
+        recv_initial: 4,
+        ..TINY
+    };
+    let cases: [(Cfg, Cfg, [&[u64]; 2], usize); 5] = [
         // Rendezvous (3 bytes: 2 READs) between eager messages, one way.
         (TINY, TINY, [&[1, 3, 0], &[]], 1303),
         // Both ways, a rendezvous each.
@@ -1496,6 +1583,8 @@ fn exhaustive_small_configurations_never_deadlock() {
         (sq1, TINY, [&[2, 2], &[1]], 10_658),
         // More messages than credits.
         (TINY, TINY, [&[0, 1, 0, 1, 0, 1], &[]], 4007),
+        // More messages than the initial credit, growth on the way.
+        (grow, grow, [&[0, 1, 0, 1, 0], &[]], 67_489),
     ];
     for (a, b, msgs, states) in cases {
         assert_eq!(explore(a, b, msgs), states, "{msgs:?}");

@@ -645,6 +645,8 @@ impl RcQueuePair {
         // where `auto://` can still fall back to TCP, not at its first write.
         let send_buf = if send_buf_on_demand {
             Some(device.take_send_buffer(sizes.send_buf)?)
+        } else if sizes.send_buf == 0 {
+            None
         } else {
             Some(RegisteredBuffer::new(
                 &pd,
