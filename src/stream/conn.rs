@@ -126,7 +126,7 @@ impl StreamState {
                 break;
             };
             let mut buf = BytesMut::zeroed(len as usize);
-            if let Err(source) = self.qp.recv_ring.read_at(off as usize, &mut buf) {
+            if let Err(source) = ring_read(&self.qp, off as usize, &mut buf) {
                 self.fail(Error::Verbs {
                     op: "receive ring copy",
                     source,
@@ -375,7 +375,7 @@ impl Conn {
             };
             let n = (len as usize).min(buf.remaining());
             let dst = buf.initialize_unfilled_to(n);
-            if let Err(source) = st.qp.recv_ring.read_at(off as usize, &mut dst[..n]) {
+            if let Err(source) = ring_read(&st.qp, off as usize, &mut dst[..n]) {
                 return Poll::Ready(Err(Error::Verbs {
                     op: "receive ring copy",
                     source,
@@ -534,7 +534,7 @@ impl Conn {
     #[cfg(tokio_rdma_guest)]
     pub(crate) fn ring_key(&self) -> (u64, u32) {
         let st = self.lock();
-        (st.qp.recv_ring.addr(), st.qp.ring_rkey())
+        (st.qp.recv_ring().map_or(0, |r| r.addr()), st.qp.ring_rkey())
     }
 
     /// Posts an RDMA WRITE WITH IMM of `len` bytes of the send buffer to
@@ -561,11 +561,19 @@ impl Conn {
     }
 }
 
+/// Copies ring bytes at `off` out of a stream QP's receive ring.
+fn ring_read(qp: &RcQueuePair, off: usize, dst: &mut [u8]) -> std::io::Result<()> {
+    match qp.recv_ring() {
+        Some(ring) => ring.read_at(off, dst),
+        None => Err(std::io::Error::other("a stream QP without its ring")),
+    }
+}
+
 /// Our half of the handshake for a stream QP.
 pub(crate) fn local_hello(qp: &RcQueuePair, cfg: &RdmaConfig) -> Hello {
     Hello {
         kind: EndpointKind::ByteStream,
-        ring_addr: qp.recv_ring.addr(),
+        ring_addr: qp.recv_ring().map_or(0, |r| r.addr()),
         ring_rkey: qp.ring_rkey(),
         ring_len: cfg.ring_size,
         recv_depth: cfg.recv_queue_depth,

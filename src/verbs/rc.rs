@@ -518,7 +518,8 @@ pub(crate) struct RcQueuePair {
     send_buf: Option<RegisteredBuffer>,
     send_buf_len: usize,
     send_buf_on_demand: bool,
-    pub(crate) recv_ring: RegisteredBuffer,
+    /// `None` for a QP without a ring (a message endpoint's).
+    recv_ring: Option<RegisteredBuffer>,
     cq: Arc<BasicCompletionQueue>,
     events: Arc<CqEventFd>,
     unacked_events: u32,
@@ -660,7 +661,16 @@ impl RcQueuePair {
             RingIsolation::Window => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
             RingIsolation::OwnPd => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
         };
-        let recv_ring = RegisteredBuffer::new(&pd, sizes.recv_ring, ring_access, limits)?;
+        let recv_ring = if sizes.recv_ring == 0 {
+            None
+        } else {
+            Some(RegisteredBuffer::new(
+                &pd,
+                sizes.recv_ring,
+                ring_access,
+                limits,
+            )?)
+        };
         let ring_window = match ring_isolation {
             RingIsolation::Window => Some(MemoryWindow::alloc(&device)?),
             _ => None,
@@ -727,7 +737,8 @@ impl RcQueuePair {
     /// Registered bytes this QP holds now: the receive ring and the send
     /// buffer while held.
     pub(crate) fn registered_bytes(&self) -> usize {
-        self.recv_ring.len() + self.send_buf.as_ref().map_or(0, RegisteredBuffer::len)
+        self.recv_ring.as_ref().map_or(0, RegisteredBuffer::len)
+            + self.send_buf.as_ref().map_or(0, RegisteredBuffer::len)
     }
 
     /// How the receive ring is opened to the peer.
@@ -740,6 +751,12 @@ impl RcQueuePair {
         &self.device
     }
 
+    /// The receive ring (a byte stream's QP has one; a message endpoint's
+    /// has none).
+    pub(crate) fn recv_ring(&self) -> Option<&RegisteredBuffer> {
+        self.recv_ring.as_ref()
+    }
+
     /// The key the peer writes the ring with: the window's key once
     /// [`bind_ring_window`](Self::bind_ring_window) ran (announced in the
     /// handshake before, since the bind chooses it), or the ring MR's own
@@ -747,7 +764,7 @@ impl RcQueuePair {
     pub(crate) fn ring_rkey(&self) -> u32 {
         match &self.ring_window {
             Some(w) => w.next_rkey(),
-            None => self.recv_ring.rkey(),
+            None => self.recv_ring.as_ref().map_or(0, RegisteredBuffer::rkey),
         }
     }
 
@@ -764,11 +781,10 @@ impl RcQueuePair {
         let Some(mut window) = self.ring_window.take() else {
             return Ok(());
         };
-        let (addr, len, mr) = (
-            self.recv_ring.addr(),
-            self.recv_ring.len() as u64,
-            self.recv_ring.raw_mr() as usize,
-        );
+        let Some(ring) = &self.recv_ring else {
+            return Err(Error::Internal("a ring window without a ring".into()));
+        };
+        let (addr, len, mr) = (ring.addr(), ring.len() as u64, ring.raw_mr() as usize);
         let wr_id = MW_WR_FLAG;
         let want = window.next_rkey();
         // SAFETY: the ring lives as long as this QP and the window is
