@@ -200,7 +200,7 @@ impl RdmaConfig {
     /// Receive WRs kept posted (default 128, at most 1023: the CREDIT
     /// immediate carries 10 bits). A byte stream's receive WRs carry no
     /// buffer (they take WRITE-with-immediate notifications); a message
-    /// endpoint posts an `eager_buf_len` buffer per WR, 16 at first and
+    /// endpoint posts an `eager_buf_len` buffer per WR, 15 at first and
     /// more, up to this depth, while its peer's traffic needs them.
     pub fn recv_queue_depth(mut self, wrs: u16) -> Self {
         self.recv_queue_depth = wrs;

@@ -99,7 +99,7 @@ impl MessageConfig {
 
     /// Connection settings shared with streams: timeouts, device, backlog,
     /// linger, `send_queue_depth` (send WRs), `recv_queue_depth` (the most
-    /// receive buffers kept posted, 4..=1023: 16 at first, doubled each
+    /// receive buffers kept posted, 4..=1023: 15 at first, doubled each
     /// time the peer is about to run out of credit), `inline_threshold`
     /// (eager messages of
     /// at most this many bytes are copied into the WQE) and
@@ -113,7 +113,7 @@ impl MessageConfig {
     /// to the smaller of both sides' value go eagerly; larger ones by
     /// rendezvous. At least 20 (an RTS header) and at most the pool's
     /// largest class. Receive memory per connection is `eager_buf_len`
-    /// times the buffers posted: 16 at first (64 KiB by default, what an
+    /// times the buffers posted: 15 at first (60 KiB by default, what an
     /// idle endpoint keeps), up to `recv_queue_depth` (128, 512 KiB) while
     /// the peer sends faster than credit comes back (see
     /// `MessageStats::recv_buffers_posted`). A busy endpoint keeps what it

@@ -43,7 +43,7 @@ pub const MAGIC: u32 = 0x544B_5244;
 /// The protocol version this crate speaks (and the only one it accepts).
 /// Version 2 added the message endpoint's limits and keys the stream ring by
 /// a memory window; version 3 makes a message endpoint post only
-/// `min(recv_depth, 16)` receive buffers at first, so its peer's initial
+/// `min(recv_depth, 15)` receive buffers at first, so its peer's initial
 /// credit is that, not `recv_depth`
 /// ([`initial_recv_posted`](crate::proto::message::initial_recv_posted)).
 pub const VERSION: u16 = 3;

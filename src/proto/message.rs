@@ -109,11 +109,13 @@ pub const CONTROL_RESERVE: u16 = 2;
 
 /// Receive buffers an endpoint posts when it connects, at most its
 /// `recv_depth`: [`initial_recv_posted`]. Both sides derive it from the
-/// depth the other advertised, so the handshake carries no extra field.
-pub const INITIAL_RECV_POSTED: u16 = 16;
+/// depth the other advertised, so the handshake carries no extra field. 15
+/// buffers of the default 4 KiB are 60 KiB, which keeps an idle endpoint
+/// under 64 KiB of registered memory with the pool's slab rounding.
+pub const INITIAL_RECV_POSTED: u16 = 15;
 
 /// The receive buffers an endpoint with `recv_depth` slots posts at first
-/// (and the credit its peer starts with): `min(recv_depth, 16)`. More are
+/// (and the credit its peer starts with): `min(recv_depth, 15)`. More are
 /// posted while the peer's traffic needs them ([`MessageCore::wants_more_recv`]).
 pub const fn initial_recv_posted(recv_depth: u16) -> u16 {
     if recv_depth < INITIAL_RECV_POSTED {
@@ -748,7 +750,7 @@ pub struct MessageStats {
     /// Times a rendezvous destination waited because the endpoint was at
     /// its pool quota (filled by the endpoint).
     pub quota_stalls: u64,
-    /// Receive buffers the endpoint keeps posted now: 16 at first (or
+    /// Receive buffers the endpoint keeps posted now: 15 at first (or
     /// `recv_queue_depth` if smaller), doubled while the peer's traffic needs
     /// more, up to `recv_queue_depth`; each is `eager_buf_len` bytes of pool
     /// memory.
