@@ -636,6 +636,14 @@ impl MsgConn {
         if st.core.all_sent() && st.qp.sends_held() == 0 {
             return Poll::Ready(Ok(()));
         }
+        // A peer that closed cleanly took every message of ours (the clean
+        // close requires it): with nothing left queued, what is still
+        // outstanding is our own control traffic or clean-up, so the flush
+        // succeeded. (A server answering EOF with `close` got `PeerClosed`
+        // whenever its last CREDIT's completion had not been polled yet.)
+        if st.peer_closed && st.core.queued() == 0 && st.qp.sends_not_taken() == 0 {
+            return Poll::Ready(Ok(()));
+        }
         if st.peer_closed || st.closing {
             return Poll::Ready(Err(Error::PeerClosed.into()));
         }
