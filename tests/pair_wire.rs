@@ -697,8 +697,8 @@ async fn k_rendezvous_echo_under_loss_completes_or_fails_typed() {
 /// equal to what was sent), never a silent success or EOF; then this
 /// side's verbs objects and fds are back where they were.
 /// One way, 32 rendezvous messages of 1 MiB, then `flush`: the receiver's
-/// 32 DONEs make the sender return a CREDIT (a quarter of the default
-/// `recv_queue_depth`), which is then the sender's last work request
+/// 32 DONEs make the sender return CREDITs (every quarter of its posted
+/// receive buffers), and the last can be the sender's last work request
 /// outstanding; its completion must wake the flush. (It did not, and across
 /// this wire, where the CREDIT's acknowledgement comes 44 ms later, the
 /// flush waited until an unrelated event: 120 s in the run that showed
@@ -740,7 +740,11 @@ async fn l_a_one_way_rendezvous_burst_flushes() {
                 .unwrap();
             let st = ep.stats();
             assert_eq!(st.rendezvous_sent, COUNT);
-            assert_eq!(st.credits_sent, 1, "{st:?}");
+            // 32 DONEs came back (control messages that take receive
+            // slots), so CREDITs went out; how many depends on how the
+            // DONEs arrived together.
+            assert!(st.control_received >= COUNT, "{st:?}");
+            assert!(st.credits_sent > 0, "{st:?}");
             ep.close().await.unwrap();
         }
     }
