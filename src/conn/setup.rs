@@ -365,16 +365,13 @@ pub(crate) async fn accept_one<S: Setup>(
     // to set up this side (out of file descriptors, locked memory, device
     // objects) is a busy reject, which the client retries like a full
     // backlog: the listener keeps serving.
-    let prepared = match EventChannel::new().and_then(|channel| {
+    let prepared = async {
+        let channel = EventChannel::new()?;
         id.migrate(&channel)?;
-        Ok((channel, new_qp(&id, cfg, setup.sizes())?))
-    }) {
-        Ok((channel, (dev, qp, device))) => setup
-            .prepare(&dev, qp)
-            .await
-            .map(|qp| (channel, qp, device)),
-        Err(e) => Err(e),
-    };
+        let (dev, qp, device) = new_qp(&id, cfg, setup.sizes())?;
+        Ok::<_, Error>((channel, setup.prepare(&dev, qp).await?, device))
+    }
+    .await;
     let (channel, mut qp, device) = match prepared {
         Ok(x) => x,
         Err(e) => {

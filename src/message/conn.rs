@@ -241,30 +241,12 @@ impl MsgState {
 
     /// Reposts receive buffers for slots whose buffer an EAGER message kept.
     fn refill(&mut self) {
-        let mut bufs = Vec::new();
-        while self.unposted > 0 {
-            match self.pool.try_alloc(self.eager_buf_len) {
-                Ok(b) => {
-                    let t = self.token();
-                    bufs.push((t, b));
-                    self.unposted -= 1;
-                }
-                Err(PoolError::Exhausted { .. }) => {
-                    // The core returns no credit for these slots, so the
-                    // peer stalls instead of meeting an empty receive queue.
-                    self.need_memory = true;
-                    break;
-                }
-                Err(e) => {
-                    self.fail(e.into());
-                    break;
-                }
-            }
-        }
-        if !bufs.is_empty() {
-            if let Err(e) = self.qp.post_recvs(bufs) {
-                self.fail(e);
-            }
+        let (posted, exhausted) = self.post_fresh_recvs(self.unposted);
+        self.unposted -= posted;
+        if exhausted {
+            // The core returns no credit for these slots, so the peer
+            // stalls instead of meeting an empty receive queue.
+            self.need_memory = true;
         }
         self.core.set_unposted_recvs(self.unposted);
     }
@@ -276,30 +258,45 @@ impl MsgState {
     /// credit as before).
     fn grow(&mut self) {
         let want = self.core.wants_more_recv();
-        if want == 0 {
-            return;
+        if want > 0 {
+            let (posted, _) = self.post_fresh_recvs(want);
+            self.core.grow_recv(posted);
         }
-        let mut bufs = Vec::with_capacity(want.into());
-        for _ in 0..want {
+    }
+
+    /// Allocates up to `n` receive buffers from the pool and posts them
+    /// with fresh tokens; returns how many were posted and whether the
+    /// pool ran out first. Another pool or posting error fails the
+    /// endpoint (what was allocated before it is still posted).
+    fn post_fresh_recvs(&mut self, n: u16) -> (u16, bool) {
+        let mut bufs = Vec::with_capacity(n.into());
+        let mut exhausted = false;
+        while bufs.len() < usize::from(n) {
             match self.pool.try_alloc(self.eager_buf_len) {
                 Ok(b) => {
                     let t = self.token();
                     bufs.push((t, b));
                 }
-                Err(PoolError::Exhausted { .. }) => break,
+                Err(PoolError::Exhausted { .. }) => {
+                    exhausted = true;
+                    break;
+                }
                 Err(e) => {
                     self.fail(e.into());
-                    return;
+                    break;
                 }
             }
         }
-        let n = bufs.len() as u16;
-        if n > 0 {
-            if let Err(e) = self.qp.post_recvs(bufs) {
+        let posted = bufs.len() as u16;
+        if posted == 0 {
+            return (0, exhausted);
+        }
+        match self.qp.post_recvs(bufs) {
+            Ok(()) => (posted, exhausted),
+            Err(e) => {
                 self.fail(e);
-                return;
+                (0, exhausted)
             }
-            self.core.grow_recv(n);
         }
     }
 

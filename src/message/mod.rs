@@ -322,7 +322,9 @@ impl Setup for MessageSetup {
             max_inline: r.inline_threshold,
             // RTS headers (20 bytes) go inline unless inline_threshold is
             // below that; only then do they need registered scratch (32
-            // bytes per send-queue slot).
+            // bytes per send-queue slot). The QP is created with this
+            // inline size (creation fails on a device that cannot), so
+            // an inline RTS always fits.
             send_buf: if r.inline_threshold >= RTS_HEADER_LEN as u32 {
                 0
             } else {
@@ -397,14 +399,6 @@ impl Setup for MessageSetup {
 
     fn finish(&self, est: Established<PreparedQp>) -> Result<(Handle<MsgState>, MemoryPool)> {
         let max_inline = est.qp.qp.qp_ref().max_inline();
-        if max_inline < RTS_HEADER_LEN as u32 && est.qp.qp.qp_ref().send_buf().is_none() {
-            // Asked for inline RTS headers, but the device granted less.
-            return Err(Error::InvalidConfig {
-                field: "inline_threshold",
-                value: max_inline.into(),
-                allowed: "a device granting 20 bytes of inline data, or below 20",
-            });
-        }
         let mut params = self
             .0
             .params(est.peer.ring_len, est.peer.recv_depth, max_inline);

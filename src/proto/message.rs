@@ -1148,8 +1148,7 @@ impl MessageCore {
         if self.reserved == 0 || self.lost || self.peer_abort.is_some() {
             return 0;
         }
-        let here = u32::from(self.to_return) + self.held();
-        let peer = u32::from(self.p.recv_depth).saturating_sub(here);
+        let peer = u32::from(self.p.recv_depth).saturating_sub(self.unreturned());
         if peer > u32::from(CONTROL_RESERVE) + 1 {
             return 0;
         }
@@ -1494,7 +1493,7 @@ impl MessageCore {
         if self.peer_abort.is_some() {
             return Err(MessageError::MessageAfterAbort { imm });
         }
-        let consumed = u32::from(self.to_return) + self.held() + 1;
+        let consumed = self.unreturned() + 1;
         if consumed > u32::from(self.p.recv_depth) {
             return Err(MessageError::RecvOverrun {
                 consumed,
@@ -1747,8 +1746,7 @@ impl MessageCore {
     }
 
     /// Receive slots held for the peer: returnable plus held by untaken
-    /// messages (for the tests' conservation checks).
-    #[cfg(test)]
+    /// messages (reserved slots included).
     pub(crate) fn unreturned(&self) -> u32 {
         u32::from(self.to_return) + self.held()
     }
