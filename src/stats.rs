@@ -84,7 +84,11 @@ pub struct ResourceSnapshot {
     /// rdma_cm ids (`rdma_create_id`, and one per connect request a
     /// listener received until it is accepted or rejected).
     pub cm_ids: u64,
-    /// rdma_cm event channels (`rdma_create_event_channel`; one fd each).
+    /// rdma_cm event channels (`rdma_create_event_channel`; one fd each)
+    /// of listeners, one per listener. Connections hold none: their events
+    /// go to one channel the whole process shares (one fd and one thread,
+    /// `tokio-rdma-cm`, created on the first connect or accept and kept
+    /// until the process exits; not counted here).
     pub cm_event_channels: u64,
     /// Idle stream send buffers each opened device keeps registered for
     /// the next stream with data to send (included in `memory_regions` and

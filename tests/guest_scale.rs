@@ -191,6 +191,14 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
         "{now:?}"
     );
     assert_eq!(now.queue_pairs - start.queue_pairs, 2 * N as u64);
+    // One fd per end, its completion channel, like a TCP socket's one:
+    // every connection's rdma_cm events go to the process's shared channel.
+    assert_eq!(
+        now.completion_channels - start.completion_channels,
+        2 * N as u64
+    );
+    assert_eq!(now.cm_event_channels, start.cm_event_channels, "{now:?}");
+    assert_eq!(open_fds() - fds, 2 * N, "fds: one per end");
     println!(
         "{} stream ends: {} bytes registered in all ({} per end), {} QPs, {} fds",
         2 * N,

@@ -10,7 +10,7 @@ use tracing::{debug, warn};
 use crate::config::RdmaConfig;
 use crate::error::{ConnectStage, Error, Result};
 use crate::proto::handshake::{EndpointKind, Hello, RejectReason, decode_reject, encode_reject};
-use crate::verbs::cm::{CmEvent, CmEventKind, CmId, EventChannel};
+use crate::verbs::cm::{CmEvent, CmEventKind, CmId};
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
 
 /// IB CM reject reason "consumer reject" (IBTA vol. 1, 12.6.7.2, table 112):
@@ -216,12 +216,8 @@ fn jittered(d: std::time::Duration) -> std::time::Duration {
     d / 2 + d * frac / 1000
 }
 
-async fn expect(
-    channel: &Arc<EventChannel>,
-    addr: SocketAddr,
-    want: CmEventKind,
-) -> Result<CmEvent> {
-    let ev = channel.next().await.map_err(|source| Error::Verbs {
+async fn expect(id: &mut CmId, addr: SocketAddr, want: CmEventKind) -> Result<CmEvent> {
+    let ev = id.next_event().await.map_err(|source| Error::Verbs {
         op: "rdma_get_cm_event",
         source,
     })?;
@@ -273,20 +269,19 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     let cfg = setup.rdma();
     // Fail fast with the foundation's typed error on hosts without RDMA.
     crate::verbs::devices()?;
-    let channel = EventChannel::new()?;
-    let id = CmId::new(&channel)?;
+    let mut id = CmId::new_shared()?;
     id.resolve_addr(addr, cfg.resolve_timeout)
         .map_err(|e| match e {
             Error::Verbs { source, .. } => Error::Unreachable { addr, source },
             e => e,
         })?;
-    expect(&channel, addr, CmEventKind::AddrResolved).await?;
+    expect(&mut id, addr, CmEventKind::AddrResolved).await?;
     stage.set(ConnectStage::ResolveRoute);
     id.resolve_route(cfg.resolve_timeout).map_err(|e| match e {
         Error::Verbs { source, .. } => Error::Unreachable { addr, source },
         e => e,
     })?;
-    expect(&channel, addr, CmEventKind::RouteResolved).await?;
+    expect(&mut id, addr, CmEventKind::RouteResolved).await?;
 
     stage.set(ConnectStage::LocalSetup);
     let (dev, qp, device) = new_qp(&id, cfg, setup.sizes())?;
@@ -295,7 +290,7 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     let hello = setup.on_init(&mut qp)?;
     id.connect(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
     stage.set(ConnectStage::AwaitingReply);
-    let ev = expect(&channel, addr, CmEventKind::ConnectResponse).await?;
+    let ev = expect(&mut id, addr, CmEventKind::ConnectResponse).await?;
     stage.set(ConnectStage::LocalSetup);
     let peer = match Hello::decode(&ev.private_data).and_then(|h| h.expect_kind(S::KIND)) {
         Ok(h) => h,
@@ -331,17 +326,16 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
 #[cfg(tokio_rdma_guest)]
 pub(crate) async fn raw_connect(addr: SocketAddr, private_data: &[u8]) -> Result<()> {
     let cfg = RdmaConfig::default();
-    let channel = EventChannel::new()?;
-    let id = CmId::new(&channel)?;
+    let mut id = CmId::new_shared()?;
     id.resolve_addr(addr, cfg.resolve_timeout)?;
-    expect(&channel, addr, CmEventKind::AddrResolved).await?;
+    expect(&mut id, addr, CmEventKind::AddrResolved).await?;
     id.resolve_route(cfg.resolve_timeout)?;
-    expect(&channel, addr, CmEventKind::RouteResolved).await?;
+    expect(&mut id, addr, CmEventKind::RouteResolved).await?;
     let (_dev, mut qp, _device) = new_qp(&id, &cfg, cfg.stream_sizes())?;
     qp.modify_to_init(&id)?;
     qp.post_recvs(cfg.recv_queue_depth.into())?;
     id.connect(qp.qp_num(), private_data, 1)?;
-    expect(&channel, addr, CmEventKind::ConnectResponse).await?;
+    expect(&mut id, addr, CmEventKind::ConnectResponse).await?;
     let _ = id.disconnect();
     Ok(())
 }
@@ -361,18 +355,17 @@ pub(crate) async fn accept_one<S: Setup>(
             return Ok(None);
         }
     };
-    // Each connection gets its own event channel (and driver). A failure
-    // to set up this side (out of file descriptors, locked memory, device
-    // objects) is a busy reject, which the client retries like a full
-    // backlog: the listener keeps serving.
+    // The connection's rdma_cm events go to the process's shared channel
+    // (no fd of its own). A failure to set up this side (out of file
+    // descriptors, locked memory, device objects) is a busy reject, which
+    // the client retries like a full backlog: the listener keeps serving.
     let prepared = async {
-        let channel = EventChannel::new()?;
-        id.migrate(&channel)?;
+        id.migrate_to_shared()?;
         let (dev, qp, device) = new_qp(&id, cfg, setup.sizes())?;
-        Ok::<_, Error>((channel, setup.prepare(&dev, qp).await?, device))
+        Ok::<_, Error>((setup.prepare(&dev, qp).await?, device))
     }
     .await;
-    let (channel, mut qp, device) = match prepared {
+    let (mut qp, device) = match prepared {
         Ok(x) => x,
         Err(e) => {
             let _ = id.reject(&encode_reject(RejectReason::ServerResources));
@@ -389,7 +382,7 @@ pub(crate) async fn accept_one<S: Setup>(
         return Err(e);
     }
     id.accept(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
-    let ev = tokio::time::timeout(cfg.connect_timeout, channel.next())
+    let ev = tokio::time::timeout(cfg.connect_timeout, id.next_event())
         .await
         .map_err(|_| Error::TimedOut {
             addr: id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into()),

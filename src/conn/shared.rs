@@ -236,12 +236,11 @@ pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
 /// disconnect and free.
 async fn drive<D: Driven>(
     shared: Arc<Shared<D>>,
-    id: CmId,
+    mut id: CmId,
     linger: Duration,
     keepalive: Option<Duration>,
 ) {
     debug!("connection established");
-    let channel = Arc::clone(id.channel());
     let cq_events = shared.lock().qp().cq_events();
     // Set once every handle is gone: the bound on delivering what is left.
     let mut linger_deadline: Option<tokio::time::Instant> = None;
@@ -283,7 +282,7 @@ async fn drive<D: Driven>(
                 shared.lock().qp_mut().take_events();
                 guard.clear_ready();
             }
-            ev = channel.next() => match ev {
+            ev = id.next_event() => match ev {
                 Ok(ev) => {
                     trace!(kind = ?ev.kind, "rdma_cm event");
                     match ev.kind {

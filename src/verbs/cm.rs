@@ -6,15 +6,25 @@
 //!
 //! Every event is copied (type, status, private data) and acknowledged at
 //! once, so `rdma_destroy_id` and `rdma_migrate_id` never block waiting for
-//! an unacknowledged event. The event channel's fd is non-blocking and driven
-//! by [`tokio::io::unix::AsyncFd`].
+//! an unacknowledged event.
+//!
+//! Two kinds of channel: a listener owns one, non-blocking and driven by
+//! [`tokio::io::unix::AsyncFd`] (its connect requests are the only frequent
+//! rdma_cm events); every other id (a connect's, an accepted connection's)
+//! lives on one channel shared by the whole process, read by one thread
+//! that routes each event by the id's context (a token that is never
+//! reused) to that id's queue. So a connection costs no rdma_cm fd of its
+//! own, and ids on any tokio runtime can share it (an `AsyncFd` is tied to
+//! the runtime that registered it; a thread and tokio channels are not).
 
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::{self, NonNull};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use os_socketaddr::OsSocketAddr;
@@ -26,6 +36,7 @@ use rdma_mummy_sys::{
     rdma_port_space, rdma_reject, rdma_resolve_addr, rdma_resolve_route,
 };
 use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc;
 
 use super::count::{Counted, DeviceLimits, Kind, classify};
 use crate::error::{Error, Result};
@@ -112,27 +123,72 @@ pub(crate) struct CmEvent {
     pub private_data: Vec<u8>,
 }
 
+/// `rdma_create_event_channel` with its errors classified.
+fn create_raw_channel() -> Result<RawChannel> {
+    // SAFETY: plain constructor; NULL is checked below.
+    let raw = unsafe { rdma_create_event_channel() };
+    let Some(raw) = NonNull::new(raw) else {
+        let source = io::Error::last_os_error();
+        return Err(match source.raw_os_error() {
+            Some(libc::EOPNOTSUPP) => Error::LibraryUnavailable {
+                library: "librdmacm.so.1",
+            },
+            Some(libc::ENODEV) | Some(libc::ENOENT) | Some(libc::ENOSYS) => Error::NoDevice,
+            _ => classify(
+                "rdma_create_event_channel",
+                Kind::CmEventChannel,
+                &DeviceLimits::default(),
+                source,
+            ),
+        });
+    };
+    Ok(RawChannel(raw))
+}
+
+/// An event copied out of librdmacm's struct, before it is acked.
+struct Copied {
+    kind: CmEventKind,
+    status: i32,
+    id: *mut rdma_cm_id,
+    private_data: Vec<u8>,
+}
+
+/// Copies the event `ev` points to and acknowledges it.
+///
+/// # Safety
+/// `ev` must come from a successful `rdma_get_cm_event` and not be acked yet.
+unsafe fn copy_and_ack(ev: *mut rdma_cm_event) -> Copied {
+    // SAFETY: guaranteed by the caller: `ev` is valid until the ack below.
+    let copied = unsafe {
+        let e = &*ev;
+        let conn: &rdma_conn_param = &e.param.conn;
+        let private_data = if !conn.private_data.is_null() && conn.private_data_len > 0 {
+            std::slice::from_raw_parts(
+                conn.private_data.cast::<u8>(),
+                conn.private_data_len as usize,
+            )
+            .to_vec()
+        } else {
+            Vec::new()
+        };
+        Copied {
+            kind: CmEventKind::from(e.event),
+            status: e.status,
+            id: e.id,
+            private_data,
+        }
+    };
+    // SAFETY: acknowledges the event exactly once (the caller does not use
+    // `ev` again). The id of a CONNECT_REQUEST stays valid (only the event
+    // is freed).
+    unsafe { rdma_ack_cm_event(ev) };
+    copied
+}
+
 impl EventChannel {
     /// Creates a channel and registers its fd with the current tokio reactor.
     pub(crate) fn new() -> Result<Arc<Self>> {
-        // SAFETY: plain constructor; NULL is checked below.
-        let raw = unsafe { rdma_create_event_channel() };
-        let Some(raw) = NonNull::new(raw) else {
-            let source = io::Error::last_os_error();
-            return Err(match source.raw_os_error() {
-                Some(libc::EOPNOTSUPP) => Error::LibraryUnavailable {
-                    library: "librdmacm.so.1",
-                },
-                Some(libc::ENODEV) | Some(libc::ENOENT) | Some(libc::ENOSYS) => Error::NoDevice,
-                _ => classify(
-                    "rdma_create_event_channel",
-                    Kind::CmEventChannel,
-                    &DeviceLimits::default(),
-                    source,
-                ),
-            });
-        };
-        let chan = RawChannel(raw);
+        let chan = create_raw_channel()?;
         set_nonblocking(chan.as_raw_fd()).map_err(|source| Error::Verbs {
             op: "fcntl(O_NONBLOCK)",
             source,
@@ -166,39 +222,21 @@ impl EventChannel {
             }
             return Err(err);
         }
-        // SAFETY: rdma_get_cm_event succeeded, so `ev` points to a valid
-        // event that stays valid until rdma_ack_cm_event below.
-        let (kind, status, id, private_data) = unsafe {
-            let e = &*ev;
-            let kind = CmEventKind::from(e.event);
-            let conn: &rdma_conn_param = &e.param.conn;
-            let pd = if !conn.private_data.is_null() && conn.private_data_len > 0 {
-                std::slice::from_raw_parts(
-                    conn.private_data.cast::<u8>(),
-                    conn.private_data_len as usize,
-                )
-                .to_vec()
-            } else {
-                Vec::new()
-            };
-            (kind, e.status, e.id, pd)
-        };
-        // SAFETY: acknowledges the event we got above, exactly once. The id
-        // of a CONNECT_REQUEST stays valid (only the event is freed).
-        unsafe { rdma_ack_cm_event(ev) };
-        let new_id = match (kind, NonNull::new(id)) {
+        // SAFETY: rdma_get_cm_event succeeded and `ev` is not used again.
+        let c = unsafe { copy_and_ack(ev) };
+        let new_id = match (c.kind, NonNull::new(c.id)) {
             (CmEventKind::ConnectRequest, Some(raw)) => Some(CmId {
                 raw,
-                channel: Arc::clone(self),
+                home: Home::Own(Arc::clone(self)),
                 _counted: Counted::new(Kind::CmId),
             }),
             _ => None,
         };
         Ok(Some(CmEvent {
-            kind,
-            status,
+            kind: c.kind,
+            status: c.status,
             new_id,
-            private_data,
+            private_data: c.private_data,
         }))
     }
 
@@ -210,6 +248,118 @@ impl EventChannel {
                 Ok(Some(ev)) => return Ok(ev),
                 Ok(None) => guard.clear_ready(),
                 Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// The process's shared event channel (see the module docs): a blocking
+/// channel read by one thread, and the queue of each id on it by token.
+pub(crate) struct SharedChannel {
+    raw: RawChannel,
+    routes: Mutex<HashMap<u64, mpsc::UnboundedSender<CmEvent>>>,
+    next_token: AtomicU64,
+}
+
+/// Created with its thread on the first connect or accept; lives until the
+/// process exits (one fd and one thread for the whole process). Not counted
+/// in [`crate::stats::resources`]' `cm_event_channels`, which counts what
+/// connections and listeners hold.
+static SHARED: Mutex<Option<Arc<SharedChannel>>> = Mutex::new(None);
+
+impl SharedChannel {
+    /// The process's shared channel, created (with its thread) on first use.
+    /// Errors: those of `rdma_create_event_channel` (for example
+    /// `Error::ResourceLimit` out of file descriptors), or `Error::Verbs`
+    /// when the thread cannot be started; a later call tries again.
+    fn get() -> Result<Arc<SharedChannel>> {
+        let mut slot = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = slot.as_ref() {
+            return Ok(Arc::clone(s));
+        }
+        let shared = Arc::new(SharedChannel {
+            raw: create_raw_channel()?,
+            routes: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(1),
+        });
+        let reader = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("tokio-rdma-cm".into())
+            .spawn(move || reader.run())
+            .map_err(|source| Error::Verbs {
+                op: "start the rdma_cm event thread",
+                source,
+            })?;
+        *slot = Some(Arc::clone(&shared));
+        Ok(shared)
+    }
+
+    fn raw(&self) -> *mut rdma_event_channel {
+        self.raw.0.as_ptr()
+    }
+
+    /// A fresh token (never reused) and the queue its events go to.
+    fn register(&self) -> (u64, mpsc::UnboundedReceiver<CmEvent>) {
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.routes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(token, tx);
+        (token, rx)
+    }
+
+    fn unregister(&self, token: u64) {
+        self.routes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&token);
+    }
+
+    /// The thread: every event is copied, acked at once and sent to its
+    /// id's queue (dropped if that id is gone).
+    fn run(&self) {
+        loop {
+            let mut ev: *mut rdma_cm_event = ptr::null_mut();
+            // SAFETY: the channel lives as long as `self` (never destroyed
+            // while this thread runs: the thread holds an Arc); `ev` is
+            // written on success only.
+            if unsafe { rdma_get_cm_event(self.raw(), &mut ev) } != 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() != io::ErrorKind::Interrupted {
+                    tracing::warn!(error = %err, "rdma_get_cm_event on the shared channel failed");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                continue;
+            }
+            // SAFETY: the event is valid until the ack in `copy_and_ack`,
+            // and its id at least as long (rdma_destroy_id waits for the
+            // ack of every event of the id); each id on this channel was
+            // created or migrated here with a token as its context.
+            let token = unsafe { (*(*ev).id).context.addr() as u64 };
+            // SAFETY: rdma_get_cm_event succeeded; `ev` is not used again.
+            let c = unsafe { copy_and_ack(ev) };
+            if c.kind == CmEventKind::ConnectRequest {
+                // Only listeners get connect requests, and no listener
+                // lives on this channel; refuse rather than leak the id.
+                if let Some(raw) = NonNull::new(c.id) {
+                    // SAFETY: the request's new id is ours alone and has
+                    // no events yet.
+                    unsafe {
+                        rdma_reject(raw.as_ptr(), ptr::null(), 0);
+                        rdma_destroy_id(raw.as_ptr());
+                    }
+                }
+                continue;
+            }
+            let routes = self.routes.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(tx) = routes.get(&token) {
+                let _ = tx.send(CmEvent {
+                    kind: c.kind,
+                    status: c.status,
+                    new_id: None,
+                    private_data: c.private_data,
+                });
             }
         }
     }
@@ -229,8 +379,22 @@ fn set_nonblocking(fd: RawFd) -> io::Result<()> {
 /// An rdma_cm identifier (`struct rdma_cm_id`), TCP port space.
 pub(crate) struct CmId {
     raw: NonNull<rdma_cm_id>,
-    channel: Arc<EventChannel>,
+    home: Home,
     _counted: Counted,
+}
+
+/// Where an id's events arrive.
+enum Home {
+    /// A channel of its own (a listener's, or a connect request's new id
+    /// until it moves to the shared channel).
+    Own(Arc<EventChannel>),
+    /// The process's shared channel, whose thread sends this id's events
+    /// (routed by `token`, the id's context) to `events`.
+    Shared {
+        channel: Arc<SharedChannel>,
+        token: u64,
+        events: mpsc::UnboundedReceiver<CmEvent>,
+    },
 }
 
 // SAFETY: librdmacm ids may be used from any thread; every method here is a
@@ -247,7 +411,7 @@ fn cm_err(op: &'static str) -> Error {
 }
 
 impl CmId {
-    /// Creates an id in the TCP port space on `channel`.
+    /// Creates an id in the TCP port space on `channel` (a listener's).
     pub(crate) fn new(channel: &Arc<EventChannel>) -> Result<Self> {
         let mut id: *mut rdma_cm_id = ptr::null_mut();
         // SAFETY: valid channel; `id` is written on success.
@@ -265,25 +429,84 @@ impl CmId {
         let raw = NonNull::new(id).ok_or_else(|| cm_err("rdma_create_id"))?;
         Ok(CmId {
             raw,
-            channel: Arc::clone(channel),
+            home: Home::Own(Arc::clone(channel)),
             _counted: Counted::new(Kind::CmId),
         })
     }
 
-    /// The channel this id reports events on.
-    pub(crate) fn channel(&self) -> &Arc<EventChannel> {
-        &self.channel
+    /// Creates an id in the TCP port space on the process's shared channel
+    /// (for a connect). Errors: those of [`SharedChannel::get`], or
+    /// `Error::Verbs` for `rdma_create_id`.
+    pub(crate) fn new_shared() -> Result<Self> {
+        let channel = SharedChannel::get()?;
+        let (token, events) = channel.register();
+        let mut id: *mut rdma_cm_id = ptr::null_mut();
+        // SAFETY: valid channel; `id` is written on success. The context is
+        // the token, an integer the event thread reads back (never
+        // dereferenced).
+        let ret = unsafe {
+            rdma_create_id(
+                channel.raw(),
+                &mut id,
+                ptr::without_provenance_mut(token as usize),
+                rdma_port_space::RDMA_PS_TCP,
+            )
+        };
+        let Some(raw) = NonNull::new(id).filter(|_| ret == 0) else {
+            let e = cm_err("rdma_create_id");
+            channel.unregister(token);
+            return Err(e);
+        };
+        Ok(CmId {
+            raw,
+            home: Home::Shared {
+                channel,
+                token,
+                events,
+            },
+            _counted: Counted::new(Kind::CmId),
+        })
     }
 
-    /// Moves the id (and its future events) to `channel`.
-    pub(crate) fn migrate(&mut self, channel: &Arc<EventChannel>) -> Result<()> {
+    /// Moves the id (and its future events) to the process's shared
+    /// channel (an accepted connection, before `rdma_accept`). Errors: those
+    /// of [`SharedChannel::get`], or `Error::Verbs` for `rdma_migrate_id`.
+    pub(crate) fn migrate_to_shared(&mut self) -> Result<()> {
+        if matches!(self.home, Home::Shared { .. }) {
+            return Ok(());
+        }
+        let channel = SharedChannel::get()?;
+        let (token, events) = channel.register();
+        // SAFETY: we own the id. Its context is read only by the thread of
+        // the channel its events arrive on, and until the migrate below
+        // they arrive on a listener's channel, whose reader never reads it.
+        unsafe { (*self.raw.as_ptr()).context = ptr::without_provenance_mut(token as usize) };
         // SAFETY: valid id and channel; every event of this id on the old
         // channel has been acked (we ack on receipt), so this cannot block.
         if unsafe { rdma_migrate_id(self.raw.as_ptr(), channel.raw()) } != 0 {
-            return Err(cm_err("rdma_migrate_id"));
+            let e = cm_err("rdma_migrate_id");
+            channel.unregister(token);
+            return Err(e);
         }
-        self.channel = Arc::clone(channel);
+        self.home = Home::Shared {
+            channel,
+            token,
+            events,
+        };
         Ok(())
+    }
+
+    /// Waits for this id's next event (a listener's: the next event of its
+    /// channel). Errors: the channel's read error, or `Other` if the
+    /// shared channel's thread is gone.
+    pub(crate) async fn next_event(&mut self) -> io::Result<CmEvent> {
+        match &mut self.home {
+            Home::Own(channel) => channel.next().await,
+            Home::Shared { events, .. } => events
+                .recv()
+                .await
+                .ok_or_else(|| io::Error::other("the rdma_cm event thread ended")),
+        }
     }
 
     pub(crate) fn bind(&self, addr: SocketAddr) -> Result<()> {
@@ -465,5 +688,10 @@ impl Drop for CmId {
         // SAFETY: we own the id; all of its events were acked on receipt.
         // Its QP (if any) is ours and destroyed separately.
         unsafe { rdma_destroy_id(self.raw.as_ptr()) };
+        // Only now: until rdma_destroy_id returned, an event of this id
+        // could still be routed (it is then dropped with the queue).
+        if let Home::Shared { channel, token, .. } = &self.home {
+            channel.unregister(*token);
+        }
     }
 }
