@@ -228,7 +228,7 @@ impl RdmaConfig {
     }
 
     /// Busy-poll budget: after the completion queue runs dry, keep polling
-    /// it for up to this long before arming the completion channel and
+    /// it for up to this long before arming the CQ for an event and
     /// parking (default 0 = park at once). Trades CPU for latency.
     pub fn busy_poll(mut self, budget: Duration) -> Self {
         self.busy_poll = budget;

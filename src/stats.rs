@@ -53,11 +53,11 @@ pub struct ConnectionStats {
 /// right now, from [`resources`]: every connection, listener, memory pool
 /// and device it opened, all devices together.
 ///
-/// A stream connection holds one QP, one CQ, one completion channel (one
-/// file descriptor), one rdma_cm id, one rdma_cm event channel (one file
-/// descriptor), its receive ring's memory region and memory window, and a
-/// send buffer's memory region while it has unsent data (see the README's
-/// design notes). Each opened device holds one PD for the process.
+/// A stream connection holds one QP, one CQ, one rdma_cm id, its receive
+/// ring's memory region and memory window, and a send buffer's memory
+/// region while it has unsent data (see the README's design notes); no
+/// file descriptor of its own (see `shared_event_channels`). Each opened
+/// device holds one PD for the process.
 /// Compare with the device's limits (`ibv_devinfo -v`: `max_qp`, `max_cq`,
 /// `max_mr`, `max_mw`) and with `RLIMIT_MEMLOCK` (`ulimit -l`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -67,7 +67,10 @@ pub struct ResourceSnapshot {
     pub queue_pairs: u64,
     /// Completion queues (`ibv_create_cq`).
     pub completion_queues: u64,
-    /// Completion channels (`ibv_create_comp_channel`; one fd each).
+    /// Completion channels (`ibv_create_comp_channel`; one fd each) held
+    /// by connections: none. Every CQ of a tokio runtime's connections on a
+    /// device reports to one completion channel, the runtime's, counted in
+    /// `shared_event_channels`.
     pub completion_channels: u64,
     /// Memory regions (`ibv_reg_mr`): receive rings, send buffers, pool
     /// slabs, registered user regions.
@@ -86,14 +89,21 @@ pub struct ResourceSnapshot {
     pub cm_ids: u64,
     /// rdma_cm event channels (`rdma_create_event_channel`; one fd each)
     /// of listeners, one per listener. Connections hold none: their events
-    /// go to one channel the whole process shares (one fd and one thread,
-    /// `tokio-rdma-cm`, created on the first connect or accept and kept
-    /// until the process exits; not counted here).
+    /// go to one channel the whole process shares (counted in
+    /// `shared_event_channels`).
     pub cm_event_channels: u64,
     /// Idle stream send buffers each opened device keeps registered for
     /// the next stream with data to send (included in `memory_regions` and
     /// `registered_bytes`; at most 4 MiB per device).
     pub idle_send_buffers: u64,
+    /// Event channels shared by connections (one fd each): the process's
+    /// rdma_cm event channel (read by the `tokio-rdma-cm` thread, created
+    /// on the first connect or accept, kept until the process exits), and
+    /// one completion channel per tokio runtime and device (read by a task
+    /// on that runtime, created with the runtime's first connection there,
+    /// kept while the runtime or any CQ on it lives). They do not grow with
+    /// the number of connections.
+    pub shared_event_channels: u64,
 }
 
 /// What this process holds now through tokio-rdma (live objects; counts

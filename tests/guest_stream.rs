@@ -780,3 +780,64 @@ async fn keepalive_probes_keep_an_idle_stream_intact() {
     );
     assert_eq!(server.await.unwrap().unwrap(), 64 * 1024);
 }
+
+/// Connections on different tokio runtimes (a runtime's CQs report to a
+/// completion channel of its own): a current_thread runtime's connection
+/// and a multi-thread runtime's echo 1 MiB each concurrently; the first
+/// runtime shuts down; the second's new connections still echo, and so do
+/// a third runtime's (which may get the first one's runtime id).
+#[test]
+fn connections_on_three_runtimes_one_shut_down() {
+    const LEN: u64 = 1 << 20;
+    let multi = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let l = multi.block_on(bind(&RdmaConfig::new()));
+    let addr = l.local_addr().unwrap();
+    let l = std::sync::Arc::new(l);
+    let server = {
+        let l = std::sync::Arc::clone(&l);
+        multi.spawn(async move {
+            loop {
+                let (s, _) = l.accept().await.unwrap();
+                tokio::spawn(echo(s));
+            }
+        })
+    };
+    let on_own_runtime = |seed: u64| {
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let got = rt.block_on(async move {
+                let s = RdmaStream::connect(addr).await.unwrap();
+                echo_roundtrip(s, seed, LEN, 64 * 1024).await.unwrap()
+            });
+            drop(rt);
+            got
+        })
+    };
+    let first = on_own_runtime(1);
+    let on_multi = multi.block_on(async move {
+        let s = RdmaStream::connect(addr).await.unwrap();
+        echo_roundtrip(s, 2, LEN, 64 * 1024).await.unwrap()
+    });
+    assert_eq!(on_multi, LEN);
+    assert_eq!(
+        first.join().unwrap(),
+        LEN,
+        "the current_thread runtime's echo"
+    );
+    // The first runtime is gone (with its connection and hub).
+    let again = multi.block_on(async move {
+        let s = RdmaStream::connect(addr).await.unwrap();
+        echo_roundtrip(s, 3, LEN, 64 * 1024).await.unwrap()
+    });
+    assert_eq!(again, LEN);
+    assert_eq!(on_own_runtime(4).join().unwrap(), LEN, "a third runtime");
+    server.abort();
+    drop(multi);
+}

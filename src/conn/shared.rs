@@ -64,7 +64,7 @@ impl WakerList {
 /// What a kind of endpoint (byte stream, message endpoint) gives the
 /// driver: its state behind the connection's mutex.
 pub(crate) trait Driven: Send + 'static {
-    /// The queue pair (its CQ and completion channel).
+    /// The queue pair (and its CQ).
     fn qp(&self) -> &RcQueuePair;
     /// The queue pair, mutably.
     fn qp_mut(&mut self) -> &mut RcQueuePair;
@@ -241,7 +241,7 @@ async fn drive<D: Driven>(
     keepalive: Option<Duration>,
 ) {
     debug!("connection established");
-    let cq_events = shared.lock().qp().cq_events();
+    let cq_signal = shared.lock().qp().cq_signal();
     // Set once every handle is gone: the bound on delivering what is left.
     let mut linger_deadline: Option<tokio::time::Instant> = None;
     // Set once the connection failed with an ABORT still on its way.
@@ -274,14 +274,8 @@ async fn drive<D: Driven>(
             break;
         }
         tokio::select! {
-            r = cq_events.readable() => {
-                let Ok(mut guard) = r else {
-                    shared.lock().fail(Error::Internal("the completion channel left the reactor".into()));
-                    break;
-                };
-                shared.lock().qp_mut().take_events();
-                guard.clear_ready();
-            }
+            // Completions: progress at the top of the loop.
+            () = cq_signal.take() => {}
             ev = id.next_event() => match ev {
                 Ok(ev) => {
                     trace!(kind = ?ev.kind, "rdma_cm event");

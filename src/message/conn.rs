@@ -5,7 +5,7 @@
 //! reposts receive buffers (a fresh pool buffer for one kept by an EAGER
 //! message, the same buffer otherwise), allocates rendezvous destinations,
 //! handles the core's events and posts what the core has ready. The driver
-//! task does the same whenever the completion channel fires, so receive
+//! task does the same whenever its CQ raises a completion event, so receive
 //! progress, credit and rendezvous READs never wait for the application.
 
 use std::collections::{HashMap, VecDeque};
@@ -477,28 +477,23 @@ impl MsgConn {
     }
 
     /// With nothing to deliver: arm the CQ and register this task on the
-    /// completion channel itself, so an arriving message wakes the reader
+    /// CQ's signal itself, so an arriving message wakes the reader
     /// without a hop through the driver task.
     fn wait_recv<'a>(
         &'a self,
         mut st: std::sync::MutexGuard<'a, MsgState>,
         cx: &mut Context<'_>,
     ) -> std::sync::MutexGuard<'a, MsgState> {
-        let events = st.qp.qp_ref().cq_events();
+        let signal = st.qp.qp_ref().cq_signal();
         while !Self::recv_ready(&st) {
             st.progress_and_arm();
             if Self::recv_ready(&st) {
                 break;
             }
-            match events.poll_read_ready(cx) {
-                Poll::Ready(Ok(mut guard)) => {
-                    st.qp.as_mut().take_events();
-                    guard.clear_ready();
-                }
-                // Pending: registered (only the latest task is kept there;
-                // the receiver list guarantees every task's wake-up); an
-                // error: left to the driver.
-                _ => break,
+            // Pending: registered with the CQ's signal, which the runtime's
+            // hub fires on the next completion event.
+            if signal.poll_take(cx).is_pending() {
+                break;
             }
         }
         st

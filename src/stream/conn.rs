@@ -298,7 +298,7 @@ impl Driven for StreamState {
 
 impl Conn {
     /// With nothing to read: poll the CQ ourselves (spinning up to the
-    /// busy-poll budget), and register this task on the completion channel
+    /// busy-poll budget), and register this task on the CQ's signal
     /// directly, so an arriving completion wakes the reader without a hop
     /// through the driver task.
     fn wait_readable<'a>(
@@ -317,21 +317,16 @@ impl Conn {
                 st.progress();
             }
         }
-        let events = st.qp.cq_events();
+        let signal = st.qp.cq_signal();
         while !st.read_ready() {
             st.progress_and_arm();
             if st.read_ready() {
                 break;
             }
-            match events.poll_read_ready(cx) {
-                Poll::Ready(Ok(mut guard)) => {
-                    st.qp.take_events();
-                    guard.clear_ready();
-                }
-                // Pending: registered (only the latest task is kept there,
-                // so the reader list below is what guarantees the wake-up);
-                // an error: left to the driver.
-                _ => break,
+            // Pending: registered with the CQ's signal, which the runtime's
+            // hub fires on the next completion event.
+            if signal.poll_take(cx).is_pending() {
+                break;
             }
         }
         st

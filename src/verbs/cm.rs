@@ -259,12 +259,12 @@ pub(crate) struct SharedChannel {
     raw: RawChannel,
     routes: Mutex<HashMap<u64, mpsc::UnboundedSender<CmEvent>>>,
     next_token: AtomicU64,
+    _counted: Counted,
 }
 
 /// Created with its thread on the first connect or accept; lives until the
-/// process exits (one fd and one thread for the whole process). Not counted
-/// in [`crate::stats::resources`]' `cm_event_channels`, which counts what
-/// connections and listeners hold.
+/// process exits (one fd and one thread for the whole process). Counted in
+/// [`crate::stats::resources`]' `shared_event_channels`.
 static SHARED: Mutex<Option<Arc<SharedChannel>>> = Mutex::new(None);
 
 impl SharedChannel {
@@ -281,6 +281,7 @@ impl SharedChannel {
             raw: create_raw_channel()?,
             routes: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
+            _counted: Counted::new(Kind::SharedChannel),
         });
         let reader = Arc::clone(&shared);
         std::thread::Builder::new()

@@ -22,9 +22,12 @@ pub(crate) enum Kind {
     /// A stream send buffer kept registered for reuse (also counted as a
     /// memory region).
     IdleSendBuffer = 8,
+    /// An event channel shared by connections: the process's rdma_cm
+    /// channel, a runtime's completion channel on a device.
+    SharedChannel = 9,
 }
 
-const KINDS: usize = 9;
+const KINDS: usize = 10;
 
 static LIVE: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 static REGISTERED_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -76,6 +79,7 @@ pub(crate) fn snapshot() -> ResourceSnapshot {
         cm_ids: live(Kind::CmId),
         cm_event_channels: live(Kind::CmEventChannel),
         idle_send_buffers: live(Kind::IdleSendBuffer),
+        shared_event_channels: live(Kind::SharedChannel),
     }
 }
 

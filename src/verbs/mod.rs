@@ -16,6 +16,7 @@
 pub(crate) mod cm;
 pub(crate) mod count;
 pub mod device;
+pub(crate) mod events;
 #[allow(unsafe_code)]
 pub(crate) mod mw;
 pub(crate) mod rc;

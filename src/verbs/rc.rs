@@ -1,10 +1,11 @@
 //! One reliable-connected (RC) queue pair with everything it needs: its
-//! completion queue (CQ) and completion channel, its registered send buffer
-//! and receive ring (MRs), on a protection domain (PD) shared per device.
+//! completion queue (CQ, reporting to its runtime's completion channel,
+//! see [`super::events`]), its registered send buffer and receive ring
+//! (MRs), on a protection domain (PD) shared per device.
 //!
-//! Teardown order is QP, then MRs, then CQ (after every CQ event has been
-//! acknowledged: `ibv_destroy_cq` blocks otherwise), then the channel; the
-//! PD and device context live in a process-wide registry. The owner must not
+//! Teardown order is QP, then MRs, then CQ (the hub acknowledges every
+//! event at once, so `ibv_destroy_cq` does not wait), then the hub
+//! reference; the PD and device context live in a process-wide registry. The owner must not
 //! drop a [`RcQueuePair`] while the NIC may still touch its memory: the
 //! stream driver only drops it after the QP is in the error state and its
 //! completions are drained, or never connected.
@@ -13,19 +14,16 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::collections::HashMap;
 use std::io;
 use std::mem::ManuallyDrop;
-use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rdma_mummy_sys::{
-    bind_mw_t, ibv_access_flags, ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_modify_qp,
-    ibv_mr, ibv_mw_bind_info, ibv_post_send, ibv_qp_attr, ibv_qp_state, ibv_req_notify_cq,
-    ibv_send_flags, ibv_send_wr, ibv_wr_opcode,
+    bind_mw_t, ibv_access_flags, ibv_cq, ibv_modify_qp, ibv_mr, ibv_mw_bind_info, ibv_post_send,
+    ibv_qp_attr, ibv_qp_state, ibv_req_notify_cq, ibv_send_flags, ibv_send_wr, ibv_wr_opcode,
 };
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::completion::{
-    BasicCompletionQueue, CompletionChannel, CompletionQueue as _,
-    CreateCompletionChannelErrorKind, CreateCompletionQueueErrorKind,
+    BasicCompletionQueue, CompletionQueue as _, CreateCompletionQueueErrorKind,
 };
 use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
 use sideway::ibverbs::device_context::{AllocateProtectionDomainErrorKind, DeviceContext};
@@ -37,10 +35,10 @@ use sideway::ibverbs::queue_pair::{
     BasicQueuePair, CreateQueuePairErrorKind, PostSendGuard as _, QueuePair as _,
     SetInlineData as _, SetScatterGatherEntry as _, WorkRequestFlags,
 };
-use tokio::io::unix::AsyncFd;
 
 use super::cm::CmId;
 use super::count::{Counted, DeviceLimits, Kind, classify};
+use super::events::{CqHub, CqSignal};
 use super::mw::{MemoryWindow, WindowAccess};
 use crate::error::{Error, Result};
 
@@ -490,28 +488,16 @@ pub(crate) enum SendOp<'a> {
     },
 }
 
-/// Wraps the completion channel for AsyncFd registration.
-pub(crate) struct ChannelFd(Arc<CompletionChannel>);
-
-/// The completion channel's fd on the tokio reactor. Shared (`Arc`) so a
-/// task can wait for readiness without holding the connection's lock; the
-/// events themselves are taken with [`RcQueuePair::take_events`].
-pub(crate) type CqEventFd = AsyncFd<ChannelFd>;
-impl AsRawFd for ChannelFd {
-    fn as_raw_fd(&self) -> std::os::fd::RawFd {
-        self.0.as_raw_fd()
-    }
-}
-
 /// Receive WRs carry this wr_id bit so send and receive completions are
 /// told apart even on providers that report odd opcodes on errors.
 pub(crate) const RECV_WR_FLAG: u64 = 1 << 63;
 
-/// An RC QP, its CQ and completion channel, and its two registered buffers.
+/// An RC QP, its CQ (reporting to its runtime's completion channel), and
+/// its two registered buffers.
 pub(crate) struct RcQueuePair {
     // Drop order: the ring's window (before the QP it is bound to and the
-    // MR under it), QP, buffers, CQ, channel fd, the PD of its own. Events
-    // are acked in Drop first.
+    // MR under it), QP, buffers, CQ (no longer routed: see Drop), the hub
+    // whose channel it reported to, the PD of its own.
     ring_window: Option<MemoryWindow>,
     qp: BasicQueuePair,
     /// `None` while an on-demand send buffer is not held.
@@ -521,8 +507,8 @@ pub(crate) struct RcQueuePair {
     /// `None` for a QP without a ring (a message endpoint's).
     recv_ring: Option<RegisteredBuffer>,
     cq: Arc<BasicCompletionQueue>,
-    events: Arc<CqEventFd>,
-    unacked_events: u32,
+    signal: Arc<CqSignal>,
+    hub: Arc<CqHub>,
     /// A keepalive probe was posted and its completion not polled yet.
     probe_outstanding: bool,
     /// Reused for the payload of inline WRs (no allocation per post).
@@ -531,7 +517,7 @@ pub(crate) struct RcQueuePair {
     ring_isolation: RingIsolation,
     _pd: Arc<ProtectionDomain>,
     device: Arc<OpenDevice>,
-    /// QP, CQ, completion channel and (with a PD of its own) the PD.
+    /// QP, CQ and (with a PD of its own) the PD.
     _counted: Vec<Counted>,
 }
 
@@ -572,26 +558,18 @@ fn verbs(op: &'static str) -> impl FnOnce(io::Error) -> Error {
 }
 
 impl RcQueuePair {
-    /// Creates the CQ (with a non-blocking completion channel registered on
-    /// the current tokio runtime), the QP in RESET, and both buffers.
+    /// Creates the CQ (on the current tokio runtime's completion channel for
+    /// the device, created with the runtime's first CQ there), the QP in
+    /// RESET, and both buffers. Must run on a tokio runtime.
     pub(crate) fn new(device: Arc<OpenDevice>, sizes: RcSizes) -> Result<Self> {
         let limits = &device.limits;
-        let chan = CompletionChannel::new(&device.ctx).map_err(|e| {
-            classify(
-                "ibv_create_comp_channel",
-                Kind::CompletionChannel,
-                limits,
-                errno_of!(e, CreateCompletionChannelErrorKind::Ibverbs),
-            )
-        })?;
-        let mut counted = vec![Counted::new(Kind::CompletionChannel)];
-        chan.set_nonblocking(true)
-            .map_err(verbs("fcntl(O_NONBLOCK)"))?;
+        let hub = CqHub::for_current(&device)?;
+        let mut counted = Vec::with_capacity(3);
         let cq = device
             .ctx
             .create_cq_builder()
             .setup_cqe(sizes.send_depth + sizes.recv_depth + 16)
-            .setup_comp_channel(&chan, 0)
+            .setup_comp_channel(hub.channel(), 0)
             .build()
             .map_err(|e| {
                 classify(
@@ -602,6 +580,8 @@ impl RcQueuePair {
                 )
             })?;
         counted.push(Counted::new(Kind::CompletionQueue));
+        // SAFETY: the CQ is alive (we hold it); only its address is kept.
+        let signal = hub.register(unsafe { cq.cq().as_ptr() });
         let ring_isolation = if sizes.recv_ring == 0 {
             RingIsolation::NoRing
         } else if device.has_memory_windows() {
@@ -675,15 +655,6 @@ impl RcQueuePair {
             RingIsolation::Window => Some(MemoryWindow::alloc(&device)?),
             _ => None,
         };
-        // SAFETY: the channel's fd stays open for as long as the Arc we hand
-        // to AsyncFd lives, and AsyncFd owns that Arc.
-        let events = unsafe {
-            AsyncFd::register_with_interest(ChannelFd(chan), tokio::io::Interest::READABLE)
-        }
-        .map_err(|e| Error::Verbs {
-            op: "AsyncFd::register",
-            source: e.into(),
-        })?;
         Ok(RcQueuePair {
             ring_window,
             qp,
@@ -692,8 +663,8 @@ impl RcQueuePair {
             send_buf_on_demand,
             recv_ring,
             cq,
-            events: Arc::new(events),
-            unacked_events: 0,
+            signal,
+            hub,
             probe_outstanding: false,
             inline_scratch: Vec::new(),
             max_inline: sizes.max_inline,
@@ -1222,39 +1193,10 @@ impl RcQueuePair {
         Ok(())
     }
 
-    /// Consumes pending completion events without blocking; returns how many.
-    /// Events are acknowledged in batches of 16 (and all of them in Drop).
-    pub(crate) fn take_events(&mut self) -> usize {
-        let mut n = 0;
-        loop {
-            let mut cq: *mut ibv_cq = std::ptr::null_mut();
-            let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
-            // SAFETY: valid, non-blocking channel owned by `events`;
-            // out-pointers are locals.
-            let ret = unsafe {
-                ibv_get_cq_event(
-                    self.events.get_ref().0.comp_channel().as_ptr(),
-                    &mut cq,
-                    &mut ctx,
-                )
-            };
-            if ret != 0 {
-                break;
-            }
-            n += 1;
-            self.unacked_events += 1;
-        }
-        if self.unacked_events >= 16 {
-            // SAFETY: acknowledges events we got from this CQ's channel.
-            unsafe { ibv_ack_cq_events(self.raw_cq(), self.unacked_events) };
-            self.unacked_events = 0;
-        }
-        n
-    }
-
-    /// The completion channel's fd, to await readiness without the lock.
-    pub(crate) fn cq_events(&self) -> Arc<CqEventFd> {
-        Arc::clone(&self.events)
+    /// The CQ's event signal (fired by the runtime's hub on each completion
+    /// event after [`arm`](Self::arm)), to wait without the lock.
+    pub(crate) fn cq_signal(&self) -> Arc<CqSignal> {
+        Arc::clone(&self.signal)
     }
 }
 
@@ -1266,12 +1208,10 @@ impl AsMut<RcQueuePair> for RcQueuePair {
 
 impl Drop for RcQueuePair {
     fn drop(&mut self) {
-        // Collect any queued events so the CQ can be destroyed.
-        let _ = self.take_events();
-        if self.unacked_events > 0 {
-            // SAFETY: acknowledges events we got from this CQ's channel.
-            unsafe { ibv_ack_cq_events(self.raw_cq(), self.unacked_events) };
-            self.unacked_events = 0;
-        }
+        // Before the CQ goes (with the fields, after the QP): a CQ created
+        // later at the same address must not get this one's route. Events
+        // still queued for it are acknowledged by the hub (ibv_destroy_cq
+        // waits for that) and dropped.
+        self.hub.unregister(self.raw_cq());
     }
 }
