@@ -241,7 +241,7 @@ async fn drive<D: Driven>(
     keepalive: Option<Duration>,
 ) {
     debug!("connection established");
-    let cq_signal = shared.lock().qp().cq_signal();
+    let cq_events = shared.lock().qp().cq_events();
     // Set once every handle is gone: the bound on delivering what is left.
     let mut linger_deadline: Option<tokio::time::Instant> = None;
     // Set once the connection failed with an ABORT still on its way.
@@ -275,7 +275,10 @@ async fn drive<D: Driven>(
         }
         tokio::select! {
             // Completions: progress at the top of the loop.
-            () = cq_signal.take() => {}
+            r = cq_events.take_as_driver() => if r.is_err() {
+                shared.lock().fail(Error::Internal("the completion channel left the reactor".into()));
+                break;
+            },
             ev = id.next_event() => match ev {
                 Ok(ev) => {
                     trace!(kind = ?ev.kind, "rdma_cm event");

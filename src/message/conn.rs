@@ -477,22 +477,22 @@ impl MsgConn {
     }
 
     /// With nothing to deliver: arm the CQ and register this task on the
-    /// CQ's signal itself, so an arriving message wakes the reader
+    /// CQ's next event itself, so an arriving message wakes the reader
     /// without a hop through the driver task.
     fn wait_recv<'a>(
         &'a self,
         mut st: std::sync::MutexGuard<'a, MsgState>,
         cx: &mut Context<'_>,
     ) -> std::sync::MutexGuard<'a, MsgState> {
-        let signal = st.qp.qp_ref().cq_signal();
+        let events = st.qp.qp_ref().cq_events();
         while !Self::recv_ready(&st) {
             st.progress_and_arm();
             if Self::recv_ready(&st) {
                 break;
             }
-            // Pending: registered with the CQ's signal, which the runtime's
-            // hub fires on the next completion event.
-            if signal.poll_take(cx).is_pending() {
+            // Pending: registered for the CQ's next event; an error (the
+            // channel left the reactor) is left to the driver.
+            if !matches!(events.poll_take(cx), Poll::Ready(Ok(()))) {
                 break;
             }
         }

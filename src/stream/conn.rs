@@ -298,7 +298,7 @@ impl Driven for StreamState {
 
 impl Conn {
     /// With nothing to read: poll the CQ ourselves (spinning up to the
-    /// busy-poll budget), and register this task on the CQ's signal
+    /// busy-poll budget), and register this task for the CQ's next event
     /// directly, so an arriving completion wakes the reader without a hop
     /// through the driver task.
     fn wait_readable<'a>(
@@ -317,15 +317,15 @@ impl Conn {
                 st.progress();
             }
         }
-        let signal = st.qp.cq_signal();
+        let events = st.qp.cq_events();
         while !st.read_ready() {
             st.progress_and_arm();
             if st.read_ready() {
                 break;
             }
-            // Pending: registered with the CQ's signal, which the runtime's
-            // hub fires on the next completion event.
-            if signal.poll_take(cx).is_pending() {
+            // Pending: registered for the CQ's next event; an error (the
+            // channel left the reactor) is left to the driver.
+            if !matches!(events.poll_take(cx), Poll::Ready(Ok(()))) {
                 break;
             }
         }

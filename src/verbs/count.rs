@@ -123,7 +123,7 @@ pub(crate) struct DeviceLimits {
 
 /// The soft limit of `resource` for this process (`getrlimit`);
 /// `u64::MAX` for unlimited, `None` if it cannot be read.
-fn rlimit(resource: libc::__rlimit_resource_t) -> Option<u64> {
+pub(crate) fn rlimit(resource: libc::__rlimit_resource_t) -> Option<u64> {
     let mut r = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,

@@ -1,11 +1,10 @@
 //! One reliable-connected (RC) queue pair with everything it needs: its
-//! completion queue (CQ, reporting to its runtime's completion channel,
-//! see [`super::events`]), its registered send buffer and receive ring
+//! completion queue (CQ, reporting to a completion channel of its own or
+//! its runtime's, see [`super::events`]), its registered send buffer and receive ring
 //! (MRs), on a protection domain (PD) shared per device.
 //!
-//! Teardown order is QP, then MRs, then CQ (the hub acknowledges every
-//! event at once, so `ibv_destroy_cq` does not wait), then the hub
-//! reference; the PD and device context live in a process-wide registry. The owner must not
+//! Teardown order is QP, then MRs, then CQ (every event is acknowledged
+//! when read, so `ibv_destroy_cq` does not wait), then its channel; the PD and device context live in a process-wide registry. The owner must not
 //! drop a [`RcQueuePair`] while the NIC may still touch its memory: the
 //! stream driver only drops it after the QP is in the error state and its
 //! completions are drained, or never connected.
@@ -38,7 +37,7 @@ use sideway::ibverbs::queue_pair::{
 
 use super::cm::CmId;
 use super::count::{Counted, DeviceLimits, Kind, classify};
-use super::events::{CqHub, CqSignal};
+use super::events::CqEvents;
 use super::mw::{MemoryWindow, WindowAccess};
 use crate::error::{Error, Result};
 
@@ -492,12 +491,12 @@ pub(crate) enum SendOp<'a> {
 /// told apart even on providers that report odd opcodes on errors.
 pub(crate) const RECV_WR_FLAG: u64 = 1 << 63;
 
-/// An RC QP, its CQ (reporting to its runtime's completion channel), and
-/// its two registered buffers.
+/// An RC QP, its CQ (reporting to a completion channel of its own or its
+/// runtime's, see [`super::events`]), and its two registered buffers.
 pub(crate) struct RcQueuePair {
     // Drop order: the ring's window (before the QP it is bound to and the
-    // MR under it), QP, buffers, CQ (no longer routed: see Drop), the hub
-    // whose channel it reported to, the PD of its own.
+    // MR under it), QP, buffers, CQ (no longer routed: see Drop), its
+    // completion channel (or the hub's reference), the PD of its own.
     ring_window: Option<MemoryWindow>,
     qp: BasicQueuePair,
     /// `None` while an on-demand send buffer is not held.
@@ -507,8 +506,7 @@ pub(crate) struct RcQueuePair {
     /// `None` for a QP without a ring (a message endpoint's).
     recv_ring: Option<RegisteredBuffer>,
     cq: Arc<BasicCompletionQueue>,
-    signal: Arc<CqSignal>,
-    hub: Arc<CqHub>,
+    events: Arc<CqEvents>,
     /// A keepalive probe was posted and its completion not polled yet.
     probe_outstanding: bool,
     /// Reused for the payload of inline WRs (no allocation per post).
@@ -558,18 +556,18 @@ fn verbs(op: &'static str) -> impl FnOnce(io::Error) -> Error {
 }
 
 impl RcQueuePair {
-    /// Creates the CQ (on the current tokio runtime's completion channel for
-    /// the device, created with the runtime's first CQ there), the QP in
-    /// RESET, and both buffers. Must run on a tokio runtime.
+    /// Creates the CQ (on a completion channel of its own, or the current
+    /// tokio runtime's for the device: [`CqEvents::new`]), the QP in RESET,
+    /// and both buffers. Must run on a tokio runtime.
     pub(crate) fn new(device: Arc<OpenDevice>, sizes: RcSizes) -> Result<Self> {
         let limits = &device.limits;
-        let hub = CqHub::for_current(&device)?;
+        let events = CqEvents::new(&device)?;
         let mut counted = Vec::with_capacity(3);
         let cq = device
             .ctx
             .create_cq_builder()
             .setup_cqe(sizes.send_depth + sizes.recv_depth + 16)
-            .setup_comp_channel(hub.channel(), 0)
+            .setup_comp_channel(events.channel(), 0)
             .build()
             .map_err(|e| {
                 classify(
@@ -581,7 +579,7 @@ impl RcQueuePair {
             })?;
         counted.push(Counted::new(Kind::CompletionQueue));
         // SAFETY: the CQ is alive (we hold it); only its address is kept.
-        let signal = hub.register(unsafe { cq.cq().as_ptr() });
+        events.attach(unsafe { cq.cq().as_ptr() });
         let ring_isolation = if sizes.recv_ring == 0 {
             RingIsolation::NoRing
         } else if device.has_memory_windows() {
@@ -663,8 +661,7 @@ impl RcQueuePair {
             send_buf_on_demand,
             recv_ring,
             cq,
-            signal,
-            hub,
+            events: Arc::new(events),
             probe_outstanding: false,
             inline_scratch: Vec::new(),
             max_inline: sizes.max_inline,
@@ -1193,10 +1190,9 @@ impl RcQueuePair {
         Ok(())
     }
 
-    /// The CQ's event signal (fired by the runtime's hub on each completion
-    /// event after [`arm`](Self::arm)), to wait without the lock.
-    pub(crate) fn cq_signal(&self) -> Arc<CqSignal> {
-        Arc::clone(&self.signal)
+    /// Where the CQ's events arrive, to wait without the lock.
+    pub(crate) fn cq_events(&self) -> Arc<CqEvents> {
+        Arc::clone(&self.events)
     }
 }
 
@@ -1212,6 +1208,6 @@ impl Drop for RcQueuePair {
         // later at the same address must not get this one's route. Events
         // still queued for it are acknowledged by the hub (ibv_destroy_cq
         // waits for that) and dropped.
-        self.hub.unregister(self.raw_cq());
+        self.events.detach(self.raw_cq());
     }
 }
