@@ -675,7 +675,46 @@ async fn dropped_stream_with_a_killed_peer_frees_everything() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_wakes_a_blocked_reader_and_a_blocked_writer() {
-    let (mut child, s) = echo_child(7713).await;
+    killed_peer_wakes_both(7713).await;
+}
+
+/// A connection past the 64 that get a completion channel of their own
+/// (its CQ reports to the runtime's shared channel) keeps the stream's
+/// semantics: 70 held connections (140 ends in this process) take the 64;
+/// then a new connection echoes 1 MiB across ring wraps, and one to a
+/// peer process that is stopped and killed wakes its blocked reader and
+/// writer with errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_on_the_shared_completion_channel_behave_the_same() {
+    let l = bind(&RdmaConfig::default()).await;
+    let addr = l.local_addr().unwrap();
+    let mut held = Vec::new();
+    for _ in 0..70 {
+        let (c, s) = tokio::join!(RdmaStream::connect(addr), l.accept());
+        held.push(c.unwrap());
+        held.push(s.unwrap().0);
+    }
+    assert_eq!(tokio_rdma::stats::resources().completion_channels, 64);
+    let server = tokio::spawn(async move {
+        let (s, _) = l.accept().await.unwrap();
+        echo(s).await
+    });
+    let c = RdmaStream::connect(addr).await.unwrap();
+    assert_eq!(
+        echo_roundtrip(c, 21, 1 << 20, 10_000).await.unwrap(),
+        1 << 20
+    );
+    assert_eq!(server.await.unwrap().unwrap(), 1 << 20);
+    killed_peer_wakes_both(7719).await;
+    assert_eq!(tokio_rdma::stats::resources().completion_channels, 64);
+    drop(held);
+}
+
+/// A stream to an echo child that is stopped, then killed: a blocked
+/// reader gets ConnectionReset and a blocked writer BrokenPipe or
+/// ConnectionReset, both typed.
+async fn killed_peer_wakes_both(port: u16) {
+    let (mut child, s) = echo_child(port).await;
     signal(&child, "STOP");
     let (mut rd, mut wr) = s.into_split();
     let reader = tokio::spawn(async move {
