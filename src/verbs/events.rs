@@ -270,11 +270,7 @@ fn new_channel(device: &Arc<OpenDevice>) -> Result<Arc<CompletionChannel>> {
             "ibv_create_comp_channel",
             Kind::CompletionChannel,
             &device.limits,
-            match e.0 {
-                CreateCompletionChannelErrorKind::Ibverbs(io) => io,
-                #[allow(unreachable_patterns)]
-                other => io::Error::other(other),
-            },
+            errno_of!(e, CreateCompletionChannelErrorKind::Ibverbs),
         )
     })?;
     chan.set_nonblocking(true).map_err(|source| Error::Verbs {

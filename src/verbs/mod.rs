@@ -13,6 +13,21 @@
 //!
 //! Every `unsafe` block in this module carries a `SAFETY:` comment.
 
+/// The errno of a failed verbs object creation (sideway wraps libibverbs'
+/// `io::Error` in a kind enum whose `Display` is transparent but whose
+/// source chain skips it), so `EMFILE` (out of file descriptors) or
+/// `ENOMEM` survive as such. Defined before the modules that use it
+/// (`events`, `rc`).
+macro_rules! errno_of {
+    ($e:expr, $kind:path) => {
+        match $e.0 {
+            $kind(io) => io,
+            #[allow(unreachable_patterns)]
+            other => std::io::Error::other(other),
+        }
+    };
+}
+
 pub(crate) mod cm;
 pub(crate) mod count;
 pub mod device;

@@ -1,10 +1,11 @@
 //! One reliable-connected (RC) queue pair with everything it needs: its
 //! completion queue (CQ, reporting to a completion channel of its own or
-//! its runtime's, see [`super::events`]), its registered send buffer and receive ring
-//! (MRs), on a protection domain (PD) shared per device.
+//! its runtime's, see [`super::events`]), its registered send buffer and
+//! receive ring (MRs), on a protection domain (PD) shared per device.
 //!
 //! Teardown order is QP, then MRs, then CQ (every event is acknowledged
-//! when read, so `ibv_destroy_cq` does not wait), then its channel; the PD and device context live in a process-wide registry. The owner must not
+//! when read, so `ibv_destroy_cq` does not wait), then its channel; the PD
+//! and device context live in a process-wide registry. The owner must not
 //! drop a [`RcQueuePair`] while the NIC may still touch its memory: the
 //! stream driver only drops it after the QP is in the error state and its
 //! completions are drained, or never connected.
@@ -40,20 +41,6 @@ use super::count::{Counted, DeviceLimits, Kind, classify};
 use super::events::CqEvents;
 use super::mw::{MemoryWindow, WindowAccess};
 use crate::error::{Error, Result};
-
-/// The errno of a failed verbs object creation (sideway wraps libibverbs'
-/// `io::Error` in a kind enum whose `Display` is transparent but whose
-/// source chain skips it), so `EMFILE` (out of file descriptors) or
-/// `ENOMEM` survive as such.
-macro_rules! errno_of {
-    ($e:expr, $kind:path) => {
-        match $e.0 {
-            $kind(io) => io,
-            #[allow(unreachable_patterns)]
-            other => io::Error::other(other),
-        }
-    };
-}
 
 /// An opened device with the protection domain every connection on it shares.
 pub(crate) struct OpenDevice {
