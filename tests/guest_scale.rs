@@ -142,6 +142,7 @@ async fn a_thousand_concurrent_streams_echo_then_idle_ones_pin_only_their_ring()
     let now = resources();
     assert_eq!(now.queue_pairs - start.queue_pairs, 2 * N as u64);
     assert_eq!(now.memory_windows - start.memory_windows, 2 * N as u64);
+    assert_cqs(start, now, 2 * N as u64, STREAM_QPS_PER_CQ);
     assert_eq!(
         without_cache(now).4 - without_cache(start).4,
         2 * N as u64 * RING,
@@ -150,6 +151,29 @@ async fn a_thousand_concurrent_streams_echo_then_idle_ones_pin_only_their_ring()
     drop(held);
     assert_back_to(start, fds, 2, SETTLE).await;
     drop(l);
+}
+
+/// QPs one shared CQ seats with the default stream depths: 16,384 entries
+/// / (128 send + 128 receive WRs + 16).
+const STREAM_QPS_PER_CQ: u64 = 60;
+
+/// Asserts the CQs `qps` QPs opened since `start` hold at `now`: one of
+/// its own for each of the first 64 (each with its own completion channel),
+/// and shared CQs filled one after the other, `per_cq` QPs each, for the
+/// rest.
+fn assert_cqs(start: ResourceSnapshot, now: ResourceSnapshot, qps: u64, per_cq: u64) {
+    let shared = (qps - 64).div_ceil(per_cq);
+    assert_eq!(
+        now.shared_completion_queues - start.shared_completion_queues,
+        shared,
+        "{now:?}"
+    );
+    assert_eq!(
+        now.completion_queues - start.completion_queues,
+        64 + shared,
+        "{now:?}"
+    );
+    assert_eq!(now.completion_channels - start.completion_channels, 64);
 }
 
 /// 4,000 idle connections (8,000 stream ends in this process) held open at
@@ -191,6 +215,7 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
         "{now:?}"
     );
     assert_eq!(now.queue_pairs - start.queue_pairs, 2 * N as u64);
+    assert_cqs(start, now, 2 * N as u64, STREAM_QPS_PER_CQ);
     // Fds: the first 64 ends have a completion channel of their own, every
     // other CQ reports to the runtime's (opened with the warm-up
     // connection), and every rdma_cm event goes to the process's channel.
@@ -202,11 +227,13 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
     );
     assert_eq!(open_fds() - fds, 64, "fds: 64 in all for 8,000 ends");
     println!(
-        "{} stream ends: {} bytes registered in all ({} per end), {} QPs, {} fds",
+        "{} stream ends: {} bytes registered in all ({} per end), {} QPs, {} CQs ({} shared), {} fds",
         2 * N,
         now.registered_bytes,
         now.registered_bytes / (2 * N as u64),
         now.queue_pairs,
+        now.completion_queues,
+        now.shared_completion_queues,
         open_fds()
     );
     drop(held);
@@ -411,13 +438,20 @@ async fn a_server_with_64_descriptors_holds_200_connections() {
     assert!(answer.contains("server says: served "), "{answer}");
     // Every held connection is alive: a FIN from each reaches the server,
     // whose HTTP handler closes its side; each read then sees end of file.
-    for mut s in held {
-        s.shutdown().await.unwrap();
+    let mut failed = Vec::new();
+    for (i, mut s) in held.into_iter().enumerate() {
         let mut rest = Vec::new();
-        assert_eq!(s.read_to_end(&mut rest).await.unwrap(), 0);
+        match s.shutdown().await {
+            Ok(()) => match s.read_to_end(&mut rest).await {
+                Ok(n) => assert_eq!(n, 0, "held connection {i}"),
+                Err(e) => failed.push(format!("held connection {i}: read: {e:?}")),
+            },
+            Err(e) => failed.push(format!("held connection {i}: shutdown: {e:?}")),
+        }
     }
     server.kill().await.unwrap();
     let log = log.await.unwrap();
+    assert!(failed.is_empty(), "{failed:?}\nserver log:\n{log}");
     assert!(!log.contains("RLIMIT_NOFILE"), "{log}");
 }
 
@@ -542,6 +576,9 @@ async fn a_thousand_message_endpoints_on_one_pool_pin_64_kib_each_when_idle() {
     assert_eq!(p.bytes_in_use, ends * PER_END, "{p:?}");
     let now = resources();
     assert_eq!(now.queue_pairs - start.queue_pairs, ends);
+    // 16,384 / (148 send WRs (128, 2 per rendezvous in flight, 4) + 128
+    // receive WRs + 16).
+    assert_cqs(start, now, ends, 56);
     // Every registration of these endpoints is the pool's.
     let registered = without_cache(now).4 - without_cache(start).4;
     assert_eq!(registered, p.bytes_registered, "{now:?} {p:?}");

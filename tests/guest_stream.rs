@@ -678,35 +678,62 @@ async fn killed_peer_wakes_a_blocked_reader_and_a_blocked_writer() {
     killed_peer_wakes_both(7713).await;
 }
 
-/// A connection past the 64 that get a completion channel of their own
-/// (its CQ reports to the runtime's shared channel) keeps the stream's
-/// semantics: 70 held connections (140 ends in this process) take the 64;
-/// then a new connection echoes 1 MiB across ring wraps, and one to a
-/// peer process that is stopped and killed wakes its blocked reader and
-/// writer with errors.
+/// A connection past the 64 that get a CQ and a completion channel of
+/// their own (it takes a seat on a CQ shared with up to 59 other QPs,
+/// reporting to the runtime's channel) keeps the stream's semantics: 70
+/// held connections (140 ends in this process) take the 64 and fill one
+/// shared CQ and part of a second; then a new connection echoes 1 MiB
+/// across ring wraps, 20 connections in turn each echo 64 KiB and close
+/// (their seats and routes are given back: the shared CQ count stays 2),
+/// and one to a peer process that is stopped and killed wakes its blocked
+/// reader and writer with errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_on_the_shared_completion_channel_behave_the_same() {
+async fn connections_on_a_shared_completion_queue_behave_the_same() {
     let l = bind(&RdmaConfig::default()).await;
     let addr = l.local_addr().unwrap();
+    let start = tokio_rdma::stats::resources();
     let mut held = Vec::new();
     for _ in 0..70 {
         let (c, s) = tokio::join!(RdmaStream::connect(addr), l.accept());
         held.push(c.unwrap());
         held.push(s.unwrap().0);
     }
-    assert_eq!(tokio_rdma::stats::resources().completion_channels, 64);
+    let now = tokio_rdma::stats::resources();
+    assert_eq!(now.completion_channels, 64);
+    // (140 - 64) ends, 60 to a shared CQ.
+    assert_eq!(
+        now.shared_completion_queues - start.shared_completion_queues,
+        2
+    );
     let server = tokio::spawn(async move {
         let (s, _) = l.accept().await.unwrap();
-        echo(s).await
+        let echoed = echo(s).await;
+        for _ in 0..20 {
+            let (s, _) = l.accept().await.unwrap();
+            assert_eq!(echo(s).await.unwrap(), 64 * 1024);
+        }
+        echoed
     });
     let c = RdmaStream::connect(addr).await.unwrap();
     assert_eq!(
         echo_roundtrip(c, 21, 1 << 20, 10_000).await.unwrap(),
         1 << 20
     );
+    for seed in 0..20 {
+        let c = RdmaStream::connect(addr).await.unwrap();
+        assert_eq!(
+            echo_roundtrip(c, seed, 64 * 1024, 4096).await.unwrap(),
+            64 * 1024
+        );
+    }
     assert_eq!(server.await.unwrap().unwrap(), 1 << 20);
     killed_peer_wakes_both(7719).await;
-    assert_eq!(tokio_rdma::stats::resources().completion_channels, 64);
+    let now = tokio_rdma::stats::resources();
+    assert_eq!(now.completion_channels, 64);
+    assert_eq!(
+        now.shared_completion_queues - start.shared_completion_queues,
+        2
+    );
     drop(held);
 }
 

@@ -25,9 +25,11 @@ pub(crate) enum Kind {
     /// An event channel shared by connections: the process's rdma_cm
     /// channel, a runtime's completion channel on a device.
     SharedChannel = 9,
+    /// A CQ shared by connections (also counted as a completion queue).
+    SharedCompletionQueue = 10,
 }
 
-const KINDS: usize = 10;
+const KINDS: usize = 11;
 
 static LIVE: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 static REGISTERED_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -80,6 +82,7 @@ pub(crate) fn snapshot() -> ResourceSnapshot {
         cm_event_channels: live(Kind::CmEventChannel),
         idle_send_buffers: live(Kind::IdleSendBuffer),
         shared_event_channels: live(Kind::SharedChannel),
+        shared_completion_queues: live(Kind::SharedCompletionQueue),
     }
 }
 

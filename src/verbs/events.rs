@@ -1,28 +1,42 @@
-//! Completion events: a channel of the connection's own while there are
-//! few connections, one channel per tokio runtime and device beyond that.
+//! Completion handling: a CQ and a completion channel of the connection's
+//! own while there are few connections, CQs shared by up to
+//! [`SHARED_CQ_ENTRIES`] / (send + receive depth) connections and one
+//! channel per tokio runtime and device beyond that.
 //!
-//! A CQ reports its events to a completion channel (`ibv_comp_channel`,
-//! one fd). The first [`DEDICATED_CHANNELS`] live connections of a process
-//! (fewer under a small `ulimit -n`) each get a channel of their own,
-//! registered with the runtime's reactor,
-//! which wakes the connection's tasks directly (a reader waiting in
-//! `poll_read` first, the driver after it): the lowest latency. Every
-//! further CQ (and any whose own channel cannot be created, for example
-//! out of file descriptors) reports to its runtime's [`CqHub`] for that
-//! device: one fd and one task that reads each event (`ibv_get_cq_event`
-//! names the CQ), acknowledges it at once and fires that CQ's
-//! [`CqSignal`], which wakes the tasks waiting on that CQ (application
-//! tasks first, then the driver). So thousands of connections cost a few
-//! dozen fds, and none beyond the budget; each keeps its own CQ, arming
-//! (`ibv_req_notify_cq`) and polling, and a reader still polls its CQ
-//! itself. The hub's task is one more hop per parked wake-up; the budget
-//! keeps it off the connections of a process that has few.
+//! The first [`DEDICATED_CHANNELS`] live connections of a process (fewer
+//! under a small `ulimit -n`) each get a CQ and a completion channel
+//! (`ibv_comp_channel`, one fd) of their own, registered with the
+//! runtime's reactor, which wakes the connection's tasks directly (a reader
+//! waiting in `poll_read` first, the driver after it): the lowest latency.
+//! Every further connection (and any whose own channel cannot be created,
+//! for example out of file descriptors) takes a seat on a [`SharedCq`] of
+//! its runtime's [`CqHub`] for that device: a CQ that several QPs use as
+//! their send and receive CQ, created on the hub's channel. Whoever polls a
+//! shared CQ (a connection's task polling for itself, or the hub's task on
+//! an event) hands each work completion to the [`Inbox`] of its QP (looked
+//! up by the completion's QP number) and wakes that QP's waiters; a QP's
+//! own poll takes its inbox. The hub keeps each shared CQ armed (it arms
+//! after every event, then polls), so a connection on one never arms. So
+//! thousands of connections cost a few dozen fds and one CQ per 60 QPs
+//! (with the default depths), none beyond the budget; a connection's
+//! completions still reach its own tasks in order, and a task that finds
+//! its completion already there takes it without a hop. The hub's task is
+//! one more hop per parked wake-up; the budget keeps it off the
+//! connections of a process that has few.
+//!
+//! A shared CQ never overflows: each QP reserves its send depth plus its
+//! receive depth plus 16 entries (at most that many of its completions can
+//! be queued, flushes on error included), and a CQ takes no QP beyond its
+//! entries. A QP's route is removed only after the QP is destroyed and
+//! the CQ polled once more, so a later QP with the same number never gets
+//! an earlier one's completion.
 //!
 //! A hub belongs to one runtime because an `AsyncFd` does: it is keyed by
 //! `tokio::runtime::Id` and the device, and a hub whose runtime shut down
 //! (its task gone) is never handed out again, even if a later runtime gets
 //! the same id. A hub lives as long as its runtime (its task holds it) or
-//! as long as a CQ on it, whichever is longer.
+//! as long as a CQ on it, whichever is longer; a shared CQ lives as long as
+//! a QP seated on it.
 
 use std::collections::HashMap;
 use std::io;
@@ -31,12 +45,17 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 
-use rdma_mummy_sys::{ibv_ack_cq_events, ibv_cq, ibv_get_cq_event};
-use sideway::ibverbs::completion::{CompletionChannel, CreateCompletionChannelErrorKind};
+use rdma_mummy_sys::{
+    ibv_ack_cq_events, ibv_cq, ibv_get_cq_event, ibv_poll_cq, ibv_req_notify_cq, ibv_wc,
+};
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue as _,
+    CreateCompletionChannelErrorKind, CreateCompletionQueueErrorKind,
+};
 use tokio::io::unix::AsyncFd;
 
 use super::count::{Counted, Kind, classify, rlimit};
-use super::rc::OpenDevice;
+use super::rc::{Completion, OpenDevice};
 use crate::error::{Error, Result};
 
 /// Wraps the completion channel for AsyncFd registration.
@@ -184,37 +203,6 @@ impl CqEvents {
         })
     }
 
-    /// The channel to create the CQ on.
-    pub(crate) fn channel(&self) -> &Arc<CompletionChannel> {
-        match self {
-            CqEvents::Own { fd, .. } => &fd.get_ref().0,
-            CqEvents::Shared { hub, .. } => hub.channel(),
-        }
-    }
-
-    /// Starts routing the events of the CQ at `cq` (created on
-    /// [`channel`](Self::channel)).
-    pub(crate) fn attach(&self, cq: *mut ibv_cq) {
-        if let CqEvents::Shared { hub, signal } = self {
-            hub.routes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(cq as usize, Arc::clone(signal));
-        }
-    }
-
-    /// Stops routing the CQ at `cq`; called before the CQ is destroyed, so
-    /// a later CQ at the same address is never confused with it (its
-    /// remaining events are still acknowledged, then dropped).
-    pub(crate) fn detach(&self, cq: *mut ibv_cq) {
-        if let CqEvents::Shared { hub, .. } = self {
-            hub.routes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&(cq as usize));
-        }
-    }
-
     /// The driver's wait for the next event (woken after the application
     /// tasks). Errors: the channel left the reactor (its runtime is gone).
     pub(crate) async fn take_as_driver(&self) -> io::Result<()> {
@@ -280,6 +268,275 @@ fn new_channel(device: &Arc<OpenDevice>) -> Result<Arc<CompletionChannel>> {
     Ok(chan)
 }
 
+/// Entries of a CQ shared by connections: 16,384 (or the device's
+/// `max_cqe` if smaller), so with the default depths (128 send + 128
+/// receive WRs, plus 16) one shared CQ serves 60 QPs. A CQ entry is 32-64
+/// bytes of pinned kernel memory on most providers, so a shared CQ is about
+/// what its 60 QPs' own CQs were.
+pub(crate) const SHARED_CQ_ENTRIES: u32 = 16384;
+
+/// Creates a CQ of `entries` entries reporting to `channel`.
+fn create_cq(
+    device: &OpenDevice,
+    channel: &Arc<CompletionChannel>,
+    entries: u32,
+) -> Result<Arc<BasicCompletionQueue>> {
+    device
+        .ctx
+        .create_cq_builder()
+        .setup_cqe(entries)
+        .setup_comp_channel(channel, 0)
+        .build()
+        .map_err(|e| {
+            classify(
+                "ibv_create_cq",
+                Kind::CompletionQueue,
+                &device.limits,
+                errno_of!(e, CreateCompletionQueueErrorKind::Ibverbs),
+            )
+        })
+}
+
+fn raw_cq(cq: &BasicCompletionQueue) -> *mut ibv_cq {
+    // SAFETY: only the address is taken; callers use it while `cq` lives.
+    unsafe { cq.cq().as_ptr() }
+}
+
+/// Requests a completion event for the next completion on `cq`
+/// (`ibv_req_notify_cq`).
+fn arm_cq(cq: &BasicCompletionQueue) -> Result<()> {
+    // SAFETY: `cq` is a live CQ (borrowed for the call).
+    let ret = unsafe { ibv_req_notify_cq(raw_cq(cq), 0) };
+    if ret != 0 {
+        return Err(Error::Verbs {
+            op: "ibv_req_notify_cq",
+            source: io::Error::from_raw_os_error(ret),
+        });
+    }
+    Ok(())
+}
+
+/// Polls every work completion queued on `cq` (`ibv_poll_cq`, 32 at a
+/// time into a stack array: no allocation) and hands each to `each`.
+fn poll_cq(cq: &BasicCompletionQueue, mut each: impl FnMut(&ibv_wc)) -> Result<()> {
+    const BATCH: usize = 32;
+    // SAFETY: `ibv_wc` is plain data (integers and a union of integers);
+    // all-zero is a valid value, and the provider overwrites what it returns.
+    let mut wcs: [ibv_wc; BATCH] = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: `cq` is live (borrowed for the call) and `wcs` has room
+        // for BATCH entries. Polls of one CQ are serialised by its owner
+        // (a connection's lock for its own CQ, the routes lock for a
+        // shared one), as libibverbs expects of one poller per CQ.
+        let n = unsafe { ibv_poll_cq(raw_cq(cq), BATCH as i32, wcs.as_mut_ptr()) };
+        let Ok(n) = usize::try_from(n) else {
+            return Err(Error::Verbs {
+                op: "ibv_poll_cq",
+                source: io::Error::from_raw_os_error(n.saturating_neg()),
+            });
+        };
+        for wc in &wcs[..n.min(BATCH)] {
+            each(wc);
+        }
+        if n < BATCH {
+            return Ok(());
+        }
+    }
+}
+
+/// The CQ of one QP: its own, or a seat on a CQ its runtime's connections
+/// share (see the module docs).
+pub(crate) enum QpCq {
+    /// A CQ of the QP's own, on the channel of [`CqEvents::Own`].
+    Own {
+        cq: Arc<BasicCompletionQueue>,
+        _counted: Counted,
+    },
+    /// A seat on a shared CQ and the inbox its completions are handed to.
+    Shared { seat: Seat, inbox: Arc<Inbox> },
+}
+
+impl QpCq {
+    /// A CQ for a QP whose completions go to `events`, sized for `entries`
+    /// outstanding completions (send plus receive depth, plus slack): a new
+    /// CQ of its own, or a seat on one of the hub's shared CQs.
+    ///
+    /// # Errors
+    /// `ibv_create_cq`'s (`Error::ResourceLimit` at the device's `max_cq`)
+    /// when a new CQ is needed and cannot be created.
+    pub(crate) fn new(device: &OpenDevice, events: &CqEvents, entries: u32) -> Result<QpCq> {
+        match events {
+            CqEvents::Own { fd, .. } => Ok(QpCq::Own {
+                cq: create_cq(device, &fd.get_ref().0, entries)?,
+                _counted: Counted::new(Kind::CompletionQueue),
+            }),
+            CqEvents::Shared { hub, signal } => Ok(QpCq::Shared {
+                seat: hub.seat(device, entries)?,
+                inbox: Arc::new(Inbox {
+                    wcs: Mutex::new(Vec::new()),
+                    signal: Arc::clone(signal),
+                }),
+            }),
+        }
+    }
+
+    /// The CQ to create the QP with (as its send and receive CQ).
+    pub(crate) fn completion_queue(&self) -> &Arc<BasicCompletionQueue> {
+        match self {
+            QpCq::Own { cq, .. } => cq,
+            QpCq::Shared { seat, .. } => &seat.cq.cq,
+        }
+    }
+
+    /// Starts handing the shared CQ's completions of QP `qp_num` to this
+    /// QP (no-op for a CQ of its own). Called once the QP exists.
+    pub(crate) fn route(&self, qp_num: u32) {
+        if let QpCq::Shared { seat, inbox } = self {
+            let earlier = lock(&seat.cq.routes).insert(qp_num, Arc::clone(inbox));
+            debug_assert!(earlier.is_none(), "QP {qp_num} routed twice");
+        }
+    }
+
+    /// Moves the QP's completions into `out`, in the order the NIC
+    /// completed them: every completion that arrived before the call.
+    /// Polls its own CQ, or the shared CQ (handing the other QPs'
+    /// completions to their inboxes and waking their waiters) and then
+    /// takes its inbox.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_poll_cq` fails.
+    pub(crate) fn poll(&self, qp_num: u32, out: &mut Vec<Completion>) -> Result<()> {
+        match self {
+            QpCq::Own { cq, .. } => poll_cq(cq, |wc| out.push(Completion::from_wc(wc))),
+            QpCq::Shared { seat, inbox } => {
+                // Waits for a task polling it now rather than skipping: a
+                // poll must return every completion that arrived before it
+                // (a FIN read before the rdma_cm DISCONNECTED is an end of
+                // file, not a reset).
+                let polled = seat.cq.hand_out(&lock(&seat.cq.routes), Some(qp_num));
+                out.append(&mut lock(&inbox.wcs));
+                polled
+            }
+        }
+    }
+
+    /// Arms the CQ for the next completion event (a CQ of its own; a
+    /// shared CQ is kept armed by its hub, so this does nothing).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_req_notify_cq` fails.
+    pub(crate) fn arm(&self) -> Result<()> {
+        match self {
+            QpCq::Own { cq, .. } => arm_cq(cq),
+            QpCq::Shared { .. } => Ok(()),
+        }
+    }
+
+    /// Runs `destroy_qp` (which destroys QP `qp_num`), then stops handing
+    /// completions to it. On a shared CQ both happen under the CQ's routes
+    /// lock, and the CQ is polled once more in between, so the QP's last
+    /// completions reach its own inbox, and a new QP that gets the same
+    /// number (only possible once this one is destroyed) is routed only
+    /// afterwards.
+    pub(crate) fn unroute_after(&self, qp_num: u32, destroy_qp: impl FnOnce()) {
+        match self {
+            QpCq::Own { .. } => destroy_qp(),
+            QpCq::Shared { seat, inbox } => {
+                let mut routes = lock(&seat.cq.routes);
+                destroy_qp();
+                if let Err(e) = seat.cq.hand_out(&routes, Some(qp_num)) {
+                    tracing::warn!(error = %e, "polling a shared completion queue failed");
+                }
+                if routes.get(&qp_num).is_some_and(|r| Arc::ptr_eq(r, inbox)) {
+                    routes.remove(&qp_num);
+                }
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One QP's completions taken off a shared CQ by whoever polled it, in
+/// completion order, and the QP's [`CqSignal`] (the one its tasks wait on).
+pub(crate) struct Inbox {
+    wcs: Mutex<Vec<Completion>>,
+    signal: Arc<CqSignal>,
+}
+
+/// A CQ shared by the QPs of one runtime on one device (see the module
+/// docs); destroyed when the last QP seated on it is.
+pub(crate) struct SharedCq {
+    cq: Arc<BasicCompletionQueue>,
+    /// The inbox of each seated QP by QP number; held while polling, so
+    /// one task polls the CQ at a time.
+    routes: Mutex<HashMap<u32, Arc<Inbox>>>,
+    _counted: [Counted; 2],
+}
+
+impl SharedCq {
+    /// Polls the CQ (the caller holds `routes`) and hands each completion
+    /// to its QP's inbox, waking that QP's waiters except those of `me`
+    /// (the caller takes its own inbox next). A completion of a QP without
+    /// a route (one being created) cannot arrive: a QP is routed before it
+    /// is connected.
+    fn hand_out(&self, routes: &HashMap<u32, Arc<Inbox>>, me: Option<u32>) -> Result<()> {
+        let mut woken: Option<u32> = None;
+        poll_cq(&self.cq, |wc| {
+            let Some(inbox) = routes.get(&wc.qp_num) else {
+                return;
+            };
+            lock(&inbox.wcs).push(Completion::from_wc(wc));
+            // Consecutive completions of one QP wake it once.
+            if Some(wc.qp_num) != me && woken != Some(wc.qp_num) {
+                inbox.signal.fire();
+                woken = Some(wc.qp_num);
+            }
+        })
+    }
+
+    /// An event came for this CQ: re-arm it, then hand out what is queued
+    /// (a completion after the arm raises the next event).
+    fn on_event(&self) {
+        if let Err(e) = arm_cq(&self.cq) {
+            tracing::warn!(error = %e, "arming a shared completion queue failed");
+        }
+        if let Err(e) = self.hand_out(&lock(&self.routes), None) {
+            tracing::warn!(error = %e, "polling a shared completion queue failed");
+        }
+    }
+}
+
+/// A QP's place on a [`SharedCq`]: its reserved entries, given back when
+/// dropped (after the QP is destroyed).
+pub(crate) struct Seat {
+    cq: Arc<SharedCq>,
+    hub: Arc<CqHub>,
+    entries: u32,
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let key = raw_cq(&self.cq.cq) as usize;
+        if let Some(e) = lock(&self.hub.cqs).get_mut(&key) {
+            e.free += self.entries;
+        }
+        // `self.cq` is released after the hub's lock: the last release
+        // destroys the CQ, which must not happen under that lock (the hub's
+        // task takes it before acknowledging events, which
+        // `ibv_destroy_cq` waits for).
+    }
+}
+
+/// A shared CQ as its hub sees it.
+struct CqEntry {
+    cq: Weak<SharedCq>,
+    /// Entries not reserved by a seated QP.
+    free: u32,
+}
+
 /// Reads every queued event of `channel` (non-blocking), acknowledges each
 /// at once and hands its CQ's address to `each`.
 fn drain(channel: &CompletionChannel, mut each: impl FnMut(*mut ibv_cq)) {
@@ -304,8 +561,12 @@ fn drain(channel: &CompletionChannel, mut each: impl FnMut(*mut ibv_cq)) {
 /// it (see the module docs).
 pub(crate) struct CqHub {
     fd: AsyncFd<ChannelFd>,
-    /// By the CQ's address (`ibv_get_cq_event` returns it).
-    routes: Mutex<HashMap<usize, Arc<CqSignal>>>,
+    /// The shared CQs on this hub's channel, by the CQ's address
+    /// (`ibv_get_cq_event` returns it). An entry whose CQ is gone is
+    /// removed by the next [`seat`](Self::seat); a CQ created later at the
+    /// same address replaces it (the old one's events were all read and
+    /// acknowledged before `ibv_destroy_cq` returned).
+    cqs: Mutex<HashMap<usize, CqEntry>>,
     /// Cleared when the hub's task ends (its runtime shut down).
     alive: AtomicBool,
     _device: Arc<OpenDevice>,
@@ -347,7 +608,7 @@ impl CqHub {
         })?;
         let hub = Arc::new(CqHub {
             fd,
-            routes: Mutex::new(HashMap::new()),
+            cqs: Mutex::new(HashMap::new()),
             alive: AtomicBool::new(true),
             _device: Arc::clone(device),
             _counted: Counted::new(Kind::SharedChannel),
@@ -364,20 +625,77 @@ impl CqHub {
         &self.fd.get_ref().0
     }
 
-    /// Reads every queued event: acknowledges it and fires its CQ's signal
-    /// (looked up before the acknowledgement, while the CQ surely lives).
+    /// A seat for a QP that needs `entries` CQ entries: on a shared CQ with
+    /// room, or on a new one (created armed).
+    ///
+    /// # Errors
+    /// `ibv_create_cq`'s, or `ibv_req_notify_cq`'s for a new CQ.
+    fn seat(self: &Arc<Self>, device: &OpenDevice, entries: u32) -> Result<Seat> {
+        let mut cqs = lock(&self.cqs);
+        cqs.retain(|_, e| e.cq.strong_count() > 0);
+        for e in cqs.values_mut() {
+            if e.free >= entries
+                && let Some(cq) = e.cq.upgrade()
+            {
+                e.free -= entries;
+                return Ok(Seat {
+                    cq,
+                    hub: Arc::clone(self),
+                    entries,
+                });
+            }
+        }
+        // A device that did not say its max_cqe (0) gets the default.
+        let max_cqe = if device.max_cqe == 0 {
+            SHARED_CQ_ENTRIES
+        } else {
+            device.max_cqe
+        };
+        let size = SHARED_CQ_ENTRIES.min(max_cqe).max(entries);
+        let cq = create_cq(device, self.channel(), size)?;
+        let counted = [
+            Counted::new(Kind::CompletionQueue),
+            Counted::new(Kind::SharedCompletionQueue),
+        ];
+        arm_cq(&cq)?;
+        let shared = Arc::new(SharedCq {
+            cq,
+            routes: Mutex::new(HashMap::new()),
+            _counted: counted,
+        });
+        cqs.insert(
+            raw_cq(&shared.cq) as usize,
+            CqEntry {
+                cq: Arc::downgrade(&shared),
+                free: size - entries,
+            },
+        );
+        Ok(Seat {
+            cq: shared,
+            hub: Arc::clone(self),
+            entries,
+        })
+    }
+
+    /// Reads every queued event and acknowledges it, then re-arms and
+    /// polls each shared CQ that had one (looked up before the
+    /// acknowledgement, while the CQ surely lives; released after it, as
+    /// the last release destroys the CQ).
     fn drain(&self) {
+        let mut hit: Vec<Arc<SharedCq>> = Vec::new();
         drain(self.channel(), |cq| {
-            let signal = self
-                .routes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
+            let found = lock(&self.cqs)
                 .get(&(cq as usize))
-                .cloned();
-            if let Some(s) = signal {
-                s.fire();
+                .and_then(|e| e.cq.upgrade());
+            if let Some(s) = found
+                && !hit.iter().any(|h| Arc::ptr_eq(h, &s))
+            {
+                hit.push(s);
             }
         });
+        for s in hit {
+            s.on_event();
+        }
     }
 }
 

@@ -18,13 +18,10 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rdma_mummy_sys::{
-    bind_mw_t, ibv_access_flags, ibv_cq, ibv_modify_qp, ibv_mr, ibv_mw_bind_info, ibv_post_send,
-    ibv_qp_attr, ibv_qp_state, ibv_req_notify_cq, ibv_send_flags, ibv_send_wr, ibv_wr_opcode,
+    bind_mw_t, ibv_access_flags, ibv_modify_qp, ibv_mr, ibv_mw_bind_info, ibv_post_send,
+    ibv_qp_attr, ibv_qp_state, ibv_send_flags, ibv_send_wr, ibv_wc, ibv_wr_opcode,
 };
 use sideway::ibverbs::AccessFlags;
-use sideway::ibverbs::completion::{
-    BasicCompletionQueue, CompletionQueue as _, CreateCompletionQueueErrorKind,
-};
 use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
 use sideway::ibverbs::device_context::{AllocateProtectionDomainErrorKind, DeviceContext};
 use sideway::ibverbs::memory_region::{
@@ -38,7 +35,7 @@ use sideway::ibverbs::queue_pair::{
 
 use super::cm::CmId;
 use super::count::{Counted, DeviceLimits, Kind, classify};
-use super::events::CqEvents;
+use super::events::{CqEvents, QpCq};
 use super::mw::{MemoryWindow, WindowAccess};
 use crate::error::{Error, Result};
 
@@ -51,6 +48,9 @@ pub(crate) struct OpenDevice {
     /// Memory windows the device supports (`ibv_device_attr::max_mw`); 0
     /// for providers without them.
     pub(crate) max_mw: u32,
+    /// The most entries one CQ may have (`ibv_device_attr::max_cqe`; 0 if
+    /// unknown).
+    pub(crate) max_cqe: u32,
     /// The device's object limits, for typed resource errors.
     pub(crate) limits: DeviceLimits,
     /// Idle stream send buffers on `pd`, kept for the next stream that has
@@ -126,6 +126,10 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         .as_ref()
         .map(|a| u32::try_from(a.max_mw()).unwrap_or(0))
         .unwrap_or(0);
+    let max_cqe = attr
+        .as_ref()
+        .map(|a| u32::try_from(a.max_cqe()).unwrap_or(0))
+        .unwrap_or(0);
     let limit = |v: i32| u64::try_from(v).unwrap_or(0);
     let limits = attr
         .as_ref()
@@ -141,6 +145,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         pd,
         ctx,
         max_mw,
+        max_cqe,
         limits,
         send_buffers: Mutex::new(Vec::new()),
         _counted_pd: Counted::new(Kind::ProtectionDomain),
@@ -433,6 +438,29 @@ pub(crate) struct Completion {
     pub byte_len: u32,
 }
 
+impl Completion {
+    /// Copies what the runtime needs out of a work completion.
+    pub(crate) fn from_wc(wc: &ibv_wc) -> Completion {
+        use rdma_mummy_sys::ibv_wc_opcode as op;
+        let kind = match wc.opcode {
+            op::IBV_WC_RDMA_WRITE | op::IBV_WC_SEND | op::IBV_WC_RDMA_READ => WcKind::Send,
+            op::IBV_WC_RECV_RDMA_WITH_IMM => WcKind::RecvImm,
+            op::IBV_WC_RECV => WcKind::Recv,
+            _ => WcKind::Other,
+        };
+        // SAFETY: both members of the union are a u32, so reading either is
+        // reading initialised plain data.
+        let imm = unsafe { wc.imm_data_invalidated_rkey_union.imm_data };
+        Completion {
+            wr_id: wc.wr_id,
+            status: wc.status,
+            kind,
+            imm: u32::from_be(imm),
+            byte_len: wc.byte_len,
+        }
+    }
+}
+
 /// One scatter/gather element: `len` bytes at virtual address `addr` of a
 /// memory region with local key `lkey`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -482,17 +510,20 @@ pub(crate) const RECV_WR_FLAG: u64 = 1 << 63;
 /// runtime's, see [`super::events`]), and its two registered buffers.
 pub(crate) struct RcQueuePair {
     // Drop order: the ring's window (before the QP it is bound to and the
-    // MR under it), QP, buffers, CQ (no longer routed: see Drop), its
-    // completion channel (or the hub's reference), the PD of its own.
+    // MR under it) and the QP (both in Drop, then the CQ's route), then
+    // the buffers, the CQ (or its seat on a shared one), its completion
+    // channel (or the hub's reference), the PD of its own.
     ring_window: Option<MemoryWindow>,
-    qp: BasicQueuePair,
+    /// Destroyed first in Drop (before the CQ is polled a last time).
+    qp: ManuallyDrop<BasicQueuePair>,
+    qp_num: u32,
     /// `None` while an on-demand send buffer is not held.
     send_buf: Option<RegisteredBuffer>,
     send_buf_len: usize,
     send_buf_on_demand: bool,
     /// `None` for a QP without a ring (a message endpoint's).
     recv_ring: Option<RegisteredBuffer>,
-    cq: Arc<BasicCompletionQueue>,
+    cq: QpCq,
     events: Arc<CqEvents>,
     /// A keepalive probe was posted and its completion not polled yet.
     probe_outstanding: bool,
@@ -502,7 +533,7 @@ pub(crate) struct RcQueuePair {
     ring_isolation: RingIsolation,
     _pd: Arc<ProtectionDomain>,
     device: Arc<OpenDevice>,
-    /// QP, CQ and (with a PD of its own) the PD.
+    /// QP and (with a PD of its own) the PD.
     _counted: Vec<Counted>,
 }
 
@@ -549,24 +580,8 @@ impl RcQueuePair {
     pub(crate) fn new(device: Arc<OpenDevice>, sizes: RcSizes) -> Result<Self> {
         let limits = &device.limits;
         let events = CqEvents::new(&device)?;
-        let mut counted = Vec::with_capacity(3);
-        let cq = device
-            .ctx
-            .create_cq_builder()
-            .setup_cqe(sizes.send_depth + sizes.recv_depth + 16)
-            .setup_comp_channel(events.channel(), 0)
-            .build()
-            .map_err(|e| {
-                classify(
-                    "ibv_create_cq",
-                    Kind::CompletionQueue,
-                    limits,
-                    errno_of!(e, CreateCompletionQueueErrorKind::Ibverbs),
-                )
-            })?;
-        counted.push(Counted::new(Kind::CompletionQueue));
-        // SAFETY: the CQ is alive (we hold it); only its address is kept.
-        events.attach(unsafe { cq.cq().as_ptr() });
+        let mut counted = Vec::with_capacity(2);
+        let cq = QpCq::new(&device, &events, sizes.send_depth + sizes.recv_depth + 16)?;
         let ring_isolation = if sizes.recv_ring == 0 {
             RingIsolation::NoRing
         } else if device.has_memory_windows() {
@@ -591,8 +606,8 @@ impl RcQueuePair {
             .setup_max_send_sge(1)
             .setup_max_recv_sge(1)
             .setup_max_inline_data(sizes.max_inline)
-            .setup_send_cq(Arc::clone(&cq))
-            .setup_recv_cq(Arc::clone(&cq))
+            .setup_send_cq(Arc::clone(cq.completion_queue()))
+            .setup_recv_cq(Arc::clone(cq.completion_queue()))
             .build()
             .map_err(|e| {
                 classify(
@@ -640,9 +655,14 @@ impl RcQueuePair {
             RingIsolation::Window => Some(MemoryWindow::alloc(&device)?),
             _ => None,
         };
+        let qp_num = qp.qp_number();
+        // Completions on a shared CQ reach this QP from now on (it is in
+        // RESET: none can come before). Nothing fails after this.
+        cq.route(qp_num);
         Ok(RcQueuePair {
             ring_window,
-            qp,
+            qp: ManuallyDrop::new(qp),
+            qp_num,
             send_buf,
             send_buf_len: sizes.send_buf,
             send_buf_on_demand,
@@ -876,7 +896,7 @@ impl RcQueuePair {
 
     /// QP number, for the rdma_cm connect/accept parameters.
     pub(crate) fn qp_num(&self) -> u32 {
-        self.qp.qp_number()
+        self.qp_num
     }
 
     /// Largest inline payload requested at creation (bytes).
@@ -1124,57 +1144,28 @@ impl RcQueuePair {
         })
     }
 
-    /// Drains the CQ into `out` without blocking.
+    /// Moves this QP's completions into `out` without blocking (its own
+    /// CQ, or its share of a shared one: [`QpCq::poll`]).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_poll_cq` fails.
     pub(crate) fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
-        use sideway::ibverbs::completion::PollCompletionQueueError;
-        match self.cq.start_poll() {
-            Ok(poller) => {
-                for wc in poller {
-                    if wc.wr_id() == PROBE_WR_ID {
-                        self.probe_outstanding = false;
-                    }
-                    let kind = match wc.opcode() {
-                        rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RDMA_WRITE
-                        | rdma_mummy_sys::ibv_wc_opcode::IBV_WC_SEND
-                        | rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RDMA_READ => WcKind::Send,
-                        rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => WcKind::RecvImm,
-                        rdma_mummy_sys::ibv_wc_opcode::IBV_WC_RECV => WcKind::Recv,
-                        _ => WcKind::Other,
-                    };
-                    out.push(Completion {
-                        wr_id: wc.wr_id(),
-                        status: wc.status(),
-                        kind,
-                        imm: u32::from_be(wc.imm_data()),
-                        byte_len: wc.byte_len(),
-                    });
-                }
-                Ok(())
-            }
-            Err(PollCompletionQueueError::CompletionQueueEmpty) => Ok(()),
-            Err(e) => Err(Error::Verbs {
-                op: "ibv_poll_cq",
-                source: io::Error::other(e),
-            }),
+        let start = out.len();
+        let polled = self.cq.poll(self.qp_num, out);
+        if out[start..].iter().any(|wc| wc.wr_id == PROBE_WR_ID) {
+            self.probe_outstanding = false;
         }
+        polled
     }
 
-    fn raw_cq(&self) -> *mut ibv_cq {
-        // SAFETY: only used while `self.cq` is alive.
-        unsafe { self.cq.cq().as_ptr() }
-    }
-
-    /// Requests a completion event for the next completion (`ibv_req_notify_cq`).
+    /// Requests a completion event for the next completion
+    /// (`ibv_req_notify_cq`; nothing on a shared CQ, which its hub keeps
+    /// armed).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if `ibv_req_notify_cq` fails.
     pub(crate) fn arm(&self) -> Result<()> {
-        // SAFETY: valid CQ.
-        let ret = unsafe { ibv_req_notify_cq(self.raw_cq(), 0) };
-        if ret != 0 {
-            return Err(Error::Verbs {
-                op: "ibv_req_notify_cq",
-                source: io::Error::from_raw_os_error(ret),
-            });
-        }
-        Ok(())
+        self.cq.arm()
     }
 
     /// Where the CQ's events arrive, to wait without the lock.
@@ -1191,10 +1182,16 @@ impl AsMut<RcQueuePair> for RcQueuePair {
 
 impl Drop for RcQueuePair {
     fn drop(&mut self) {
-        // Before the CQ goes (with the fields, after the QP): a CQ created
-        // later at the same address must not get this one's route. Events
-        // still queued for it are acknowledged by the hub (ibv_destroy_cq
-        // waits for that) and dropped.
-        self.events.detach(self.raw_cq());
+        // The window before the QP it is bound to.
+        drop(self.ring_window.take());
+        // Only once the QP is destroyed (no completion of it can come any
+        // more) is a shared CQ polled a last time and the route removed.
+        let qp = &mut self.qp;
+        self.cq.unroute_after(self.qp_num, || {
+            // SAFETY: the QP is dropped exactly once, here; no method runs
+            // on `self` after Drop, and the fields dropped after it
+            // (buffers, CQ) outlive it as the NIC requires.
+            unsafe { ManuallyDrop::drop(qp) }
+        });
     }
 }
