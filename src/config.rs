@@ -38,6 +38,7 @@ pub struct RdmaConfig {
     pub(crate) keepalive: Option<Duration>,
     pub(crate) ack_timeout: u8,
     pub(crate) retry_count: u8,
+    pub(crate) share_completion_queue: bool,
 }
 
 impl Default for RdmaConfig {
@@ -60,6 +61,7 @@ impl Default for RdmaConfig {
             keepalive: Some(Duration::from_secs(30)),
             ack_timeout: 14,
             retry_count: 6,
+            share_completion_queue: false,
         }
     }
 }
@@ -162,6 +164,7 @@ impl RdmaConfig {
             send_buf: self.send_buffer_size as usize,
             send_buf_on_demand: true,
             recv_ring: self.ring_size as usize,
+            share_cq: self.share_completion_queue,
         }
     }
 
@@ -232,6 +235,24 @@ impl RdmaConfig {
     /// parking (default 0 = park at once). Trades CPU for latency.
     pub fn busy_poll(mut self, budget: Duration) -> Self {
         self.busy_poll = budget;
+        self
+    }
+
+    /// Put this connection's work completions on a completion queue (CQ)
+    /// shared with other connections of the same tokio runtime and device
+    /// (up to 60 with the default depths) instead of a CQ of its own
+    /// (default `false`). A shared CQ saves device CQs (a device has
+    /// `max_cq` of them: 16,384 on rxe) but not memory (each connection
+    /// reserves its send plus receive depth in it), and it must stay armed
+    /// while any connection on it waits, so a busy connection on it raises
+    /// a completion event per completion burst: in the Soft-RoCE guest a
+    /// parked 64 B round trip took about twice as long
+    /// (benches/README.md, "Shared completion queues"). Meant for many
+    /// mostly idle connections. Without it a connection still gets a
+    /// shared CQ once the process holds half the device's `max_cq` CQs of
+    /// their own, rather than failing at the limit.
+    pub fn share_completion_queue(mut self, share: bool) -> Self {
+        self.share_completion_queue = share;
         self
     }
 

@@ -65,16 +65,18 @@ pub struct ConnectionStats {
 pub struct ResourceSnapshot {
     /// Queue pairs (`ibv_create_qp`).
     pub queue_pairs: u64,
-    /// Completion queues (`ibv_create_cq`): one of its own for each of the
-    /// first 64 live connections of the process (at most a sixteenth of
-    /// `RLIMIT_NOFILE`), plus the shared ones (`shared_completion_queues`)
-    /// every further connection takes a seat on.
+    /// Completion queues (`ibv_create_cq`): one of its own per connection
+    /// end, plus the shared ones (`shared_completion_queues`) that
+    /// connections with `RdmaConfig::share_completion_queue` (and any
+    /// connection once the process holds half the device's `max_cq` CQs of
+    /// their own) take a seat on.
     pub completion_queues: u64,
     /// Completion channels (`ibv_create_comp_channel`; one fd each) held
-    /// by connections: one per connection with a CQ of its own (at most
-    /// 64). Every other connection's completions go to a shared CQ
-    /// reporting to its tokio runtime's completion channel for the device,
-    /// counted in `shared_event_channels`.
+    /// by connections: one per connection end with a CQ of its own among
+    /// the first 64 live ones of the process (at most a sixteenth of
+    /// `RLIMIT_NOFILE`). Every other CQ reports to its tokio runtime's
+    /// completion channel for the device, counted in
+    /// `shared_event_channels`.
     pub completion_channels: u64,
     /// Memory regions (`ibv_reg_mr`): receive rings, send buffers, pool
     /// slabs, registered user regions.
@@ -111,8 +113,8 @@ pub struct ResourceSnapshot {
     /// CQs shared by connections (included in `completion_queues`): each
     /// holds up to 16,384 entries (the device's `max_cqe` if smaller) and
     /// seats the QPs whose send plus receive depth, plus 16, fit in them:
-    /// 60 connections with the default depths (128 + 128). One is destroyed
-    /// when the last connection on it closes.
+    /// 60 stream ends with the default depths (129 + 128), 56 message
+    /// endpoints. One is destroyed when the last connection on it closes.
     pub shared_completion_queues: u64,
 }
 

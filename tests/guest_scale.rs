@@ -38,12 +38,14 @@ fn pattern(seed: u64, i: u64) -> u8 {
     shared::pattern_byte(seed, i)
 }
 
-/// A listener with the default backlog, and one connection made and closed
+/// A listener with `cfg` (the default backlog), and one connection made and closed
 /// first so the device is open before the counts are taken.
-async fn listener() -> (RdmaListener, SocketAddr, ResourceSnapshot, usize) {
-    let l = RdmaListener::bind(format!("{IP}:0")).await.expect("bind");
+async fn listener(cfg: &RdmaConfig) -> (RdmaListener, SocketAddr, ResourceSnapshot, usize) {
+    let l = RdmaListener::bind_with(format!("{IP}:0"), cfg)
+        .await
+        .expect("bind");
     let addr = l.local_addr().unwrap();
-    let (c, s) = tokio::join!(RdmaStream::connect(addr), l.accept());
+    let (c, s) = tokio::join!(RdmaStream::connect_with(addr, cfg), l.accept());
     let (mut c, (mut s, _)) = (c.unwrap(), s.unwrap());
     c.write_all(b"warm").await.unwrap();
     let mut b = [0u8; 4];
@@ -82,7 +84,7 @@ async fn a_thousand_concurrent_streams_echo_then_idle_ones_pin_only_their_ring()
     const N: usize = 1000;
     const WRITES: u64 = 16;
     const WRITE: u64 = 4096;
-    let (l, addr, start, fds) = listener().await;
+    let (l, addr, start, fds) = listener(&RdmaConfig::default()).await;
     let server = tokio::spawn(async move {
         let mut echoes = JoinSet::new();
         for _ in 0..N {
@@ -142,7 +144,10 @@ async fn a_thousand_concurrent_streams_echo_then_idle_ones_pin_only_their_ring()
     let now = resources();
     assert_eq!(now.queue_pairs - start.queue_pairs, 2 * N as u64);
     assert_eq!(now.memory_windows - start.memory_windows, 2 * N as u64);
-    assert_cqs(start, now, 2 * N as u64, STREAM_QPS_PER_CQ);
+    // By default every end has a CQ of its own (the first 64 with a
+    // completion channel of their own too).
+    assert_cqs(start, now, 2 * N as u64, 0, STREAM_QPS_PER_CQ);
+    assert_eq!(now.completion_channels - start.completion_channels, 64);
     assert_eq!(
         without_cache(now).4 - without_cache(start).4,
         2 * N as u64 * RING,
@@ -157,12 +162,11 @@ async fn a_thousand_concurrent_streams_echo_then_idle_ones_pin_only_their_ring()
 /// / (128 send + 128 receive WRs + 16).
 const STREAM_QPS_PER_CQ: u64 = 60;
 
-/// Asserts the CQs `qps` QPs opened since `start` hold at `now`: one of
-/// its own for each of the first 64 (each with its own completion channel),
-/// and shared CQs filled one after the other, `per_cq` QPs each, for the
-/// rest.
-fn assert_cqs(start: ResourceSnapshot, now: ResourceSnapshot, qps: u64, per_cq: u64) {
-    let shared = (qps - 64).div_ceil(per_cq);
+/// Asserts the CQs held at `now` beyond `start`: `own` QPs with a CQ of
+/// their own, and `sharing` QPs on shared CQs filled one after the other,
+/// `per_cq` QPs each.
+fn assert_cqs(start: ResourceSnapshot, now: ResourceSnapshot, own: u64, sharing: u64, per_cq: u64) {
+    let shared = sharing.div_ceil(per_cq);
     assert_eq!(
         now.shared_completion_queues - start.shared_completion_queues,
         shared,
@@ -170,20 +174,23 @@ fn assert_cqs(start: ResourceSnapshot, now: ResourceSnapshot, qps: u64, per_cq: 
     );
     assert_eq!(
         now.completion_queues - start.completion_queues,
-        64 + shared,
+        own + shared,
         "{now:?}"
     );
-    assert_eq!(now.completion_channels - start.completion_channels, 64);
 }
 
-/// 4,000 idle connections (8,000 stream ends in this process) held open at
-/// once: every end pins its 64 KiB ring and nothing else, and all of it
-/// goes back when they close.
+/// 4,000 idle connections (8,000 stream ends in this process) on shared
+/// CQs (`share_completion_queue`) held open at once: every end pins its
+/// 64 KiB ring and nothing else, holds a QP, a seat on one of 134 CQs and
+/// no fd, and all of it goes back when they close.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
     const N: usize = 4000;
     const AT_ONCE: usize = 256;
-    let (l, addr, start, fds) = listener().await;
+    let cfg = RdmaConfig::new()
+        .connect_timeout(CONNECT_TIMEOUT)
+        .share_completion_queue(true);
+    let (l, addr, start, fds) = listener(&cfg).await;
     let server = tokio::spawn(async move {
         let mut held = Vec::with_capacity(N);
         while held.len() < N {
@@ -191,7 +198,6 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
         }
         (l, held)
     });
-    let cfg = RdmaConfig::new().connect_timeout(CONNECT_TIMEOUT);
     let mut held = Vec::with_capacity(N);
     while held.len() < N {
         let mut batch = JoinSet::new();
@@ -215,17 +221,21 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
         "{now:?}"
     );
     assert_eq!(now.queue_pairs - start.queue_pairs, 2 * N as u64);
-    assert_cqs(start, now, 2 * N as u64, STREAM_QPS_PER_CQ);
-    // Fds: the first 64 ends have a completion channel of their own, every
-    // other CQ reports to the runtime's (opened with the warm-up
-    // connection), and every rdma_cm event goes to the process's channel.
-    assert_eq!(now.completion_channels, 64, "{now:?}");
+    // Shared CQs: 60 ends on each, none with a CQ of its own.
+    assert_cqs(start, now, 0, 2 * N as u64, STREAM_QPS_PER_CQ);
+    // Fds: none per connection. The shared CQs report to the runtime's
+    // completion channel (opened with the warm-up connection), and every
+    // rdma_cm event goes to the process's channel.
+    assert_eq!(
+        now.completion_channels, start.completion_channels,
+        "{now:?}"
+    );
     assert_eq!(now.cm_event_channels, start.cm_event_channels, "{now:?}");
     assert_eq!(
         now.shared_event_channels, start.shared_event_channels,
         "{now:?}"
     );
-    assert_eq!(open_fds() - fds, 64, "fds: 64 in all for 8,000 ends");
+    assert_eq!(open_fds(), fds, "no fds for 8,000 ends");
     println!(
         "{} stream ends: {} bytes registered in all ({} per end), {} QPs, {} CQs ({} shared), {} fds",
         2 * N,
@@ -247,7 +257,7 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
 async fn churn_of_2000_connections_leaks_nothing() {
     const N: u64 = 2000;
     const LEN: usize = 8192;
-    let (l, addr, start, fds) = listener().await;
+    let (l, addr, start, fds) = listener(&RdmaConfig::default()).await;
     let server = tokio::spawn(async move {
         for _ in 0..N {
             let (mut s, _) = l.accept().await.unwrap();
@@ -278,7 +288,7 @@ async fn churn_of_2000_connections_leaks_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connects_to_a_port_without_listener_are_refused_and_leak_nothing() {
     const N: usize = 2000;
-    let (l, _, start, fds) = listener().await;
+    let (l, _, start, fds) = listener(&RdmaConfig::default()).await;
     let closed: SocketAddr = {
         let other = RdmaListener::bind(format!("{IP}:0")).await.unwrap();
         other.local_addr().unwrap()
@@ -497,9 +507,11 @@ async fn a_thousand_message_endpoints_on_one_pool_pin_64_kib_each_when_idle() {
     let (start, fds) = (resources(), open_fds());
 
     let pool = pool_for(1 << 30);
-    let cfg = MessageConfig::new()
-        .pool(pool.clone())
-        .connection(RdmaConfig::new().connect_timeout(CONNECT_TIMEOUT));
+    let cfg = MessageConfig::new().pool(pool.clone()).connection(
+        RdmaConfig::new()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .share_completion_queue(true),
+    );
     let l = MessageListener::bind_with(format!("{IP}:0"), &cfg)
         .await
         .unwrap();
@@ -578,7 +590,7 @@ async fn a_thousand_message_endpoints_on_one_pool_pin_64_kib_each_when_idle() {
     assert_eq!(now.queue_pairs - start.queue_pairs, ends);
     // 16,384 / (148 send WRs (128, 2 per rendezvous in flight, 4) + 128
     // receive WRs + 16).
-    assert_cqs(start, now, ends, 56);
+    assert_cqs(start, now, 0, ends, 56);
     // Every registration of these endpoints is the pool's.
     let registered = without_cache(now).4 - without_cache(start).4;
     assert_eq!(registered, p.bytes_registered, "{now:?} {p:?}");

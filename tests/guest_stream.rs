@@ -574,7 +574,7 @@ async fn loopback_bind_is_refused_with_a_typed_error() {
 // ---- A peer process that stops or dies (SIGSTOP / SIGKILL) --------------
 
 /// Starts `examples/echo server` on `port` and connects to it.
-async fn echo_child(port: u16) -> (tokio::process::Child, RdmaStream) {
+async fn echo_child(port: u16, cfg: &RdmaConfig) -> (tokio::process::Child, RdmaStream) {
     let addr = format!("{IP}:{port}");
     let child = tokio::process::Command::new(example("echo"))
         .args(["server", &addr])
@@ -583,7 +583,7 @@ async fn echo_child(port: u16) -> (tokio::process::Child, RdmaStream) {
         .spawn()
         .unwrap();
     for _ in 0..1200 {
-        if let Ok(s) = RdmaStream::connect(addr.as_str()).await {
+        if let Ok(s) = RdmaStream::connect_with(addr.as_str(), cfg).await {
             return (child, s);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -624,7 +624,7 @@ fn pattern_buf(seed: u64, len: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_with_a_stopped_peer_returns_at_once_and_delivers_on_resume() {
-    let (child, mut s) = echo_child(7711).await;
+    let (child, mut s) = echo_child(7711, &RdmaConfig::default()).await;
     signal(&child, "STOP");
     let data = pattern_buf(11, FULL);
     tokio::time::timeout(Duration::from_secs(30), s.write_all(&data))
@@ -656,7 +656,7 @@ async fn shutdown_with_a_stopped_peer_returns_at_once_and_delivers_on_resume() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_stream_with_a_killed_peer_frees_everything() {
     let before = qp_count();
-    let (mut child, mut s) = echo_child(7712).await;
+    let (mut child, mut s) = echo_child(7712, &RdmaConfig::default()).await;
     signal(&child, "STOP");
     tokio::time::timeout(Duration::from_secs(30), s.write_all(&pattern_buf(12, FULL)))
         .await
@@ -675,73 +675,82 @@ async fn dropped_stream_with_a_killed_peer_frees_everything() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_peer_wakes_a_blocked_reader_and_a_blocked_writer() {
-    killed_peer_wakes_both(7713).await;
+    killed_peer_wakes_both(7713, &RdmaConfig::default()).await;
 }
 
-/// A connection past the 64 that get a CQ and a completion channel of
-/// their own (it takes a seat on a CQ shared with up to 59 other QPs,
-/// reporting to the runtime's channel) keeps the stream's semantics: 70
-/// held connections (140 ends in this process) take the 64 and fill one
-/// shared CQ and part of a second; then a new connection echoes 1 MiB
-/// across ring wraps, 20 connections in turn each echo 64 KiB and close
-/// (their seats and routes are given back: the shared CQ count stays 2),
-/// and one to a peer process that is stopped and killed wakes its blocked
-/// reader and writer with errors.
+/// Connections past the 64 that get a completion channel of their own
+/// keep the stream's semantics, both kinds: a CQ of their own reporting to
+/// the runtime's channel (the default), and a seat on a CQ shared with up
+/// to 59 other QPs (`share_completion_queue`). 70 held connections (140
+/// ends in this process) take the 64; then for each kind a new connection
+/// echoes 1 MiB across ring wraps, 20 connections in turn each echo 64 KiB
+/// and close (on shared CQs their seats and routes are given back: the
+/// shared CQ count ends where it started), and one to a peer process that
+/// is stopped and killed wakes its blocked reader and writer with errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_on_a_shared_completion_queue_behave_the_same() {
+async fn connections_past_the_64_on_own_and_shared_cqs_behave_the_same() {
     let l = bind(&RdmaConfig::default()).await;
     let addr = l.local_addr().unwrap();
-    let start = tokio_rdma::stats::resources();
     let mut held = Vec::new();
     for _ in 0..70 {
         let (c, s) = tokio::join!(RdmaStream::connect(addr), l.accept());
         held.push(c.unwrap());
         held.push(s.unwrap().0);
     }
-    let now = tokio_rdma::stats::resources();
-    assert_eq!(now.completion_channels, 64);
-    // (140 - 64) ends, 60 to a shared CQ.
-    assert_eq!(
-        now.shared_completion_queues - start.shared_completion_queues,
-        2
-    );
-    let server = tokio::spawn(async move {
-        let (s, _) = l.accept().await.unwrap();
-        let echoed = echo(s).await;
-        for _ in 0..20 {
+    let start = tokio_rdma::stats::resources();
+    assert_eq!(start.completion_channels, 64);
+    assert_eq!(start.shared_completion_queues, 0);
+    drop(l);
+    for (share, child_port) in [(false, 7719), (true, 7720)] {
+        let cfg = RdmaConfig::default().share_completion_queue(share);
+        let l = bind(&cfg).await;
+        let addr = l.local_addr().unwrap();
+        let server = tokio::spawn(async move {
             let (s, _) = l.accept().await.unwrap();
-            assert_eq!(echo(s).await.unwrap(), 64 * 1024);
-        }
-        echoed
-    });
-    let c = RdmaStream::connect(addr).await.unwrap();
-    assert_eq!(
-        echo_roundtrip(c, 21, 1 << 20, 10_000).await.unwrap(),
-        1 << 20
-    );
-    for seed in 0..20 {
-        let c = RdmaStream::connect(addr).await.unwrap();
+            let echoed = echo(s).await;
+            for _ in 0..20 {
+                let (s, _) = l.accept().await.unwrap();
+                assert_eq!(echo(s).await.unwrap(), 64 * 1024);
+            }
+            echoed
+        });
+        let c = RdmaStream::connect_with(addr, &cfg).await.unwrap();
+        // Both ends of this connection on one shared CQ, or each on a CQ of
+        // its own.
+        let now = tokio_rdma::stats::resources();
+        assert_eq!(now.shared_completion_queues, u64::from(share), "{now:?}");
         assert_eq!(
-            echo_roundtrip(c, seed, 64 * 1024, 4096).await.unwrap(),
-            64 * 1024
+            echo_roundtrip(c, 21, 1 << 20, 10_000).await.unwrap(),
+            1 << 20
         );
+        for seed in 0..20 {
+            let c = RdmaStream::connect_with(addr, &cfg).await.unwrap();
+            assert_eq!(
+                echo_roundtrip(c, seed, 64 * 1024, 4096).await.unwrap(),
+                64 * 1024
+            );
+        }
+        assert_eq!(server.await.unwrap().unwrap(), 1 << 20);
+        killed_peer_wakes_both(child_port, &cfg).await;
     }
-    assert_eq!(server.await.unwrap().unwrap(), 1 << 20);
-    killed_peer_wakes_both(7719).await;
     let now = tokio_rdma::stats::resources();
     assert_eq!(now.completion_channels, 64);
-    assert_eq!(
-        now.shared_completion_queues - start.shared_completion_queues,
-        2
-    );
+    // The last shared CQ went with its last connection.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while tokio_rdma::stats::resources().shared_completion_queues != 0
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(tokio_rdma::stats::resources().shared_completion_queues, 0);
     drop(held);
 }
 
 /// A stream to an echo child that is stopped, then killed: a blocked
 /// reader gets ConnectionReset and a blocked writer BrokenPipe or
 /// ConnectionReset, both typed.
-async fn killed_peer_wakes_both(port: u16) {
-    let (mut child, s) = echo_child(port).await;
+async fn killed_peer_wakes_both(port: u16, cfg: &RdmaConfig) {
+    let (mut child, s) = echo_child(port, cfg).await;
     signal(&child, "STOP");
     let (mut rd, mut wr) = s.into_split();
     let reader = tokio::spawn(async move {

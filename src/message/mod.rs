@@ -331,6 +331,7 @@ impl Setup for MessageSetup {
                 MessageQp::scratch_len(r.send_queue_depth)
             },
             send_buf_on_demand: false,
+            share_cq: r.share_completion_queue,
             recv_ring: 0,
         }
     }

@@ -67,6 +67,11 @@ impl Drop for Counted {
     }
 }
 
+/// Live objects of `kind` in this process now.
+pub(crate) fn live(kind: Kind) -> u64 {
+    LIVE[kind as usize].load(Ordering::Relaxed)
+}
+
 /// The counts now.
 pub(crate) fn snapshot() -> ResourceSnapshot {
     let live = |k: Kind| LIVE[k as usize].load(Ordering::Relaxed);

@@ -1,7 +1,7 @@
 //! Completion handling: a CQ and a completion channel of the connection's
-//! own while there are few connections, CQs shared by up to
-//! [`SHARED_CQ_ENTRIES`] / (send + receive depth) connections and one
-//! channel per tokio runtime and device beyond that.
+//! own while there are few connections, one channel per tokio runtime and
+//! device beyond that, and CQs shared by many connections where asked for
+//! or where the device's CQs run short.
 //!
 //! The first [`DEDICATED_CHANNELS`] live connections of a process (fewer
 //! under a small `ulimit -n`) each get a CQ and a completion channel
@@ -9,20 +9,29 @@
 //! runtime's reactor, which wakes the connection's tasks directly (a reader
 //! waiting in `poll_read` first, the driver after it): the lowest latency.
 //! Every further connection (and any whose own channel cannot be created,
-//! for example out of file descriptors) takes a seat on a [`SharedCq`] of
-//! its runtime's [`CqHub`] for that device: a CQ that several QPs use as
-//! their send and receive CQ, created on the hub's channel. Whoever polls a
-//! shared CQ (a connection's task polling for itself, or the hub's task on
-//! an event) hands each work completion to the [`Inbox`] of its QP (looked
-//! up by the completion's QP number) and wakes that QP's waiters; a QP's
-//! own poll takes its inbox. The hub keeps each shared CQ armed (it arms
-//! after every event, then polls), so a connection on one never arms. So
-//! thousands of connections cost a few dozen fds and one CQ per 60 QPs
-//! (with the default depths), none beyond the budget; a connection's
-//! completions still reach its own tasks in order, and a task that finds
-//! its completion already there takes it without a hop. The hub's task is
-//! one more hop per parked wake-up; the budget keeps it off the
-//! connections of a process that has few.
+//! for example out of file descriptors) reports to its runtime's
+//! [`CqHub`] for that device: one channel and one task that reads each
+//! event, acknowledges it at once and routes it by the CQ's address. By
+//! default such a connection still has a CQ of its own, which the hub's
+//! task answers by firing that CQ's [`CqSignal`] (the connection's tasks
+//! then poll, arm and wait as on a channel of their own).
+//!
+//! A connection that asks for it (`RdmaConfig::share_completion_queue`),
+//! and any connection once the process holds half the device's `max_cq`
+//! CQs of their own, takes a [`Seat`] on a [`SharedCq`] instead: a CQ of
+//! [`SHARED_CQ_ENTRIES`] entries that several QPs use as their send and
+//! receive CQ (60 with the default depths), on the hub's channel. Whoever
+//! polls a shared CQ (a connection's task polling for itself, or the hub's
+//! task on an event) hands each work completion to the [`Inbox`] of its QP
+//! (looked up by the completion's QP number) and wakes that QP's tasks; a
+//! QP's own poll waits for a poll in progress and then takes its inbox, so
+//! it sees every completion that arrived before it. The hub keeps a shared
+//! CQ armed (it arms after every event, then polls), as it must while any
+//! connection on it waits: so a busy connection on a shared CQ raises an
+//! event per completion burst, where a CQ of its own stays unarmed while
+//! its tasks run. Measured in the Soft-RoCE guest (benches/README.md,
+//! "Shared completion queues"), a parked 64 B round trip took about twice
+//! as long; hence opt-in.
 //!
 //! A shared CQ never overflows: each QP reserves its send depth plus its
 //! receive depth plus 16 entries (at most that many of its completions can
@@ -54,7 +63,7 @@ use sideway::ibverbs::completion::{
 };
 use tokio::io::unix::AsyncFd;
 
-use super::count::{Counted, Kind, classify, rlimit};
+use super::count::{Counted, Kind, classify, live, rlimit};
 use super::rc::{Completion, OpenDevice};
 use crate::error::{Error, Result};
 
@@ -177,13 +186,14 @@ impl Drop for DedicatedSlot {
 
 impl CqEvents {
     /// Where a new CQ on `device` reports: a channel of its own while the
-    /// budget and the fd limit allow, else the current runtime's hub. The
+    /// budget and the fd limit allow (and the QP does not ask for a shared
+    /// CQ, `shared_cq`), else the current runtime's hub. The
     /// hub is opened first, with the runtime's first connection on the
     /// device, so a process out of descriptors still has it. Errors: the
     /// hub's ([`CqHub::for_current`]).
-    pub(crate) fn new(device: &Arc<OpenDevice>) -> Result<CqEvents> {
+    pub(crate) fn new(device: &Arc<OpenDevice>, shared_cq: bool) -> Result<CqEvents> {
         let hub = CqHub::for_current(device)?;
-        if let Some(slot) = DedicatedSlot::take() {
+        if let Some(slot) = (!shared_cq).then(DedicatedSlot::take).flatten() {
             match own_channel(device) {
                 Ok(fd) => {
                     return Ok(CqEvents::Own {
@@ -347,29 +357,64 @@ fn poll_cq(cq: &BasicCompletionQueue, mut each: impl FnMut(&ibv_wc)) -> Result<(
 /// The CQ of one QP: its own, or a seat on a CQ its runtime's connections
 /// share (see the module docs).
 pub(crate) enum QpCq {
-    /// A CQ of the QP's own, on the channel of [`CqEvents::Own`].
+    /// A CQ of the QP's own, on the channel of [`CqEvents::Own`], or on
+    /// the hub's channel (`hub`: routed there by its address until the QP
+    /// is destroyed).
     Own {
         cq: Arc<BasicCompletionQueue>,
+        hub: Option<Arc<CqHub>>,
         _counted: Counted,
     },
     /// A seat on a shared CQ and the inbox its completions are handed to.
     Shared { seat: Seat, inbox: Arc<Inbox> },
 }
 
+/// Whether the process holds half the device's `max_cq` CQs of their own
+/// (the other half left to other processes and to shared CQs); unknown
+/// limits (0) never count as reached.
+fn own_cqs_at_limit(device: &OpenDevice) -> bool {
+    let own = live(Kind::CompletionQueue).saturating_sub(live(Kind::SharedCompletionQueue));
+    at_half(own, device.limits.max_cq)
+}
+
+/// Whether `own` CQs reach half of `max_cq` (never for an unknown 0).
+fn at_half(own: u64, max_cq: u64) -> bool {
+    max_cq > 0 && own >= max_cq / 2
+}
+
 impl QpCq {
     /// A CQ for a QP whose completions go to `events`, sized for `entries`
-    /// outstanding completions (send plus receive depth, plus slack): a new
-    /// CQ of its own, or a seat on one of the hub's shared CQs.
+    /// outstanding completions (send plus receive depth, plus slack): a CQ
+    /// of its own, or a seat on one of the hub's shared CQs when `share`
+    /// asks for one or the process holds half the device's `max_cq` CQs of
+    /// their own.
     ///
     /// # Errors
     /// `ibv_create_cq`'s (`Error::ResourceLimit` at the device's `max_cq`)
     /// when a new CQ is needed and cannot be created.
-    pub(crate) fn new(device: &OpenDevice, events: &CqEvents, entries: u32) -> Result<QpCq> {
+    pub(crate) fn new(
+        device: &OpenDevice,
+        events: &CqEvents,
+        entries: u32,
+        share: bool,
+    ) -> Result<QpCq> {
         match events {
             CqEvents::Own { fd, .. } => Ok(QpCq::Own {
                 cq: create_cq(device, &fd.get_ref().0, entries)?,
+                hub: None,
                 _counted: Counted::new(Kind::CompletionQueue),
             }),
+            CqEvents::Shared { hub, signal } if !share && !own_cqs_at_limit(device) => {
+                let cq = create_cq(device, hub.channel(), entries)?;
+                let earlier =
+                    lock(&hub.routes).insert(raw_cq(&cq) as usize, Route::Cq(Arc::clone(signal)));
+                debug_assert!(earlier.is_none(), "a live CQ's address routed twice");
+                Ok(QpCq::Own {
+                    cq,
+                    hub: Some(Arc::clone(hub)),
+                    _counted: Counted::new(Kind::CompletionQueue),
+                })
+            }
             CqEvents::Shared { hub, signal } => Ok(QpCq::Shared {
                 seat: hub.seat(device, entries)?,
                 inbox: Arc::new(Inbox {
@@ -440,7 +485,16 @@ impl QpCq {
     /// afterwards.
     pub(crate) fn unroute_after(&self, qp_num: u32, destroy_qp: impl FnOnce()) {
         match self {
-            QpCq::Own { .. } => destroy_qp(),
+            QpCq::Own { cq, hub, .. } => {
+                destroy_qp();
+                // Before the CQ is destroyed (with this value): a CQ created
+                // later at the same address must not get this one's route.
+                // Events still queued for it are acknowledged by the hub
+                // (ibv_destroy_cq waits for that) and dropped.
+                if let Some(hub) = hub {
+                    lock(&hub.routes).remove(&(raw_cq(cq) as usize));
+                }
+            }
             QpCq::Shared { seat, inbox } => {
                 let mut routes = lock(&seat.cq.routes);
                 destroy_qp();
@@ -520,7 +574,7 @@ pub(crate) struct Seat {
 impl Drop for Seat {
     fn drop(&mut self) {
         let key = raw_cq(&self.cq.cq) as usize;
-        if let Some(e) = lock(&self.hub.cqs).get_mut(&key) {
+        if let Some(Route::Shared(e)) = lock(&self.hub.routes).get_mut(&key) {
             e.free += self.entries;
         }
         // `self.cq` is released after the hub's lock: the last release
@@ -528,6 +582,14 @@ impl Drop for Seat {
         // task takes it before acknowledging events, which
         // `ibv_destroy_cq` waits for).
     }
+}
+
+/// Where the hub hands a CQ's events.
+enum Route {
+    /// A CQ of one QP's own: wake its tasks.
+    Cq(Arc<CqSignal>),
+    /// A shared CQ: re-arm it and hand out its completions.
+    Shared(CqEntry),
 }
 
 /// A shared CQ as its hub sees it.
@@ -561,12 +623,13 @@ fn drain(channel: &CompletionChannel, mut each: impl FnMut(*mut ibv_cq)) {
 /// it (see the module docs).
 pub(crate) struct CqHub {
     fd: AsyncFd<ChannelFd>,
-    /// The shared CQs on this hub's channel, by the CQ's address
-    /// (`ibv_get_cq_event` returns it). An entry whose CQ is gone is
-    /// removed by the next [`seat`](Self::seat); a CQ created later at the
-    /// same address replaces it (the old one's events were all read and
+    /// The CQs on this hub's channel, by the CQ's address
+    /// (`ibv_get_cq_event` returns it). A QP's own CQ is removed before it
+    /// is destroyed; a shared CQ's entry whose CQ is gone is removed by the
+    /// next [`seat`](Self::seat), and a CQ created later at the same
+    /// address replaces it (the old one's events were all read and
     /// acknowledged before `ibv_destroy_cq` returned).
-    cqs: Mutex<HashMap<usize, CqEntry>>,
+    routes: Mutex<HashMap<usize, Route>>,
     /// Cleared when the hub's task ends (its runtime shut down).
     alive: AtomicBool,
     _device: Arc<OpenDevice>,
@@ -608,7 +671,7 @@ impl CqHub {
         })?;
         let hub = Arc::new(CqHub {
             fd,
-            cqs: Mutex::new(HashMap::new()),
+            routes: Mutex::new(HashMap::new()),
             alive: AtomicBool::new(true),
             _device: Arc::clone(device),
             _counted: Counted::new(Kind::SharedChannel),
@@ -631,10 +694,11 @@ impl CqHub {
     /// # Errors
     /// `ibv_create_cq`'s, or `ibv_req_notify_cq`'s for a new CQ.
     fn seat(self: &Arc<Self>, device: &OpenDevice, entries: u32) -> Result<Seat> {
-        let mut cqs = lock(&self.cqs);
-        cqs.retain(|_, e| e.cq.strong_count() > 0);
-        for e in cqs.values_mut() {
-            if e.free >= entries
+        let mut routes = lock(&self.routes);
+        routes.retain(|_, r| !matches!(r, Route::Shared(e) if e.cq.strong_count() == 0));
+        for r in routes.values_mut() {
+            if let Route::Shared(e) = r
+                && e.free >= entries
                 && let Some(cq) = e.cq.upgrade()
             {
                 e.free -= entries;
@@ -663,12 +727,12 @@ impl CqHub {
             routes: Mutex::new(HashMap::new()),
             _counted: counted,
         });
-        cqs.insert(
+        routes.insert(
             raw_cq(&shared.cq) as usize,
-            CqEntry {
+            Route::Shared(CqEntry {
                 cq: Arc::downgrade(&shared),
                 free: size - entries,
-            },
+            }),
         );
         Ok(Seat {
             cq: shared,
@@ -677,17 +741,23 @@ impl CqHub {
         })
     }
 
-    /// Reads every queued event and acknowledges it, then re-arms and
-    /// polls each shared CQ that had one (looked up before the
-    /// acknowledgement, while the CQ surely lives; released after it, as
-    /// the last release destroys the CQ).
+    /// Reads every queued event and acknowledges it: fires the signal of a
+    /// QP's own CQ, and re-arms and polls each shared CQ that had one
+    /// (both looked up before the acknowledgement, while the CQ surely
+    /// lives; a shared CQ is released after it, as its last release
+    /// destroys the CQ).
     fn drain(&self) {
         let mut hit: Vec<Arc<SharedCq>> = Vec::new();
         drain(self.channel(), |cq| {
-            let found = lock(&self.cqs)
-                .get(&(cq as usize))
-                .and_then(|e| e.cq.upgrade());
-            if let Some(s) = found
+            let (signal, shared) = match lock(&self.routes).get(&(cq as usize)) {
+                Some(Route::Cq(s)) => (Some(Arc::clone(s)), None),
+                Some(Route::Shared(e)) => (None, e.cq.upgrade()),
+                None => (None, None),
+            };
+            if let Some(s) = signal {
+                s.fire();
+            }
+            if let Some(s) = shared
                 && !hit.iter().any(|h| Arc::ptr_eq(h, &s))
             {
                 hit.push(s);
@@ -725,7 +795,18 @@ async fn dispatch(hub: Arc<CqHub>) {
 
 #[cfg(test)]
 mod tests {
-    use super::CqSignal;
+    use super::{CqSignal, at_half};
+
+    #[test]
+    fn connections_share_cqs_from_half_the_device_limit_on() {
+        // rxe: max_cq 16,384.
+        assert!(!at_half(8191, 16_384));
+        assert!(at_half(8192, 16_384));
+        assert!(at_half(9000, 16_384));
+        // A device that reports no limit never forces sharing.
+        assert!(!at_half(1 << 40, 0));
+        assert!(at_half(0, 1));
+    }
     use std::sync::{Arc, Mutex};
     use std::task::{Context, Poll, Wake, Waker};
 

@@ -409,6 +409,9 @@ pub(crate) struct RcSizes {
     /// Registered receive ring the peer writes into (bytes); 0 for none
     /// (a message endpoint, whose receives land in pool buffers).
     pub recv_ring: usize,
+    /// Take a seat on a CQ shared with other QPs of the runtime instead of
+    /// a CQ of its own ([`QpCq`]).
+    pub share_cq: bool,
 }
 
 /// Completion status as the runtime needs it.
@@ -579,9 +582,10 @@ impl RcQueuePair {
     /// and both buffers. Must run on a tokio runtime.
     pub(crate) fn new(device: Arc<OpenDevice>, sizes: RcSizes) -> Result<Self> {
         let limits = &device.limits;
-        let events = CqEvents::new(&device)?;
+        let events = CqEvents::new(&device, sizes.share_cq)?;
         let mut counted = Vec::with_capacity(2);
-        let cq = QpCq::new(&device, &events, sizes.send_depth + sizes.recv_depth + 16)?;
+        let entries = sizes.send_depth + sizes.recv_depth + 16;
+        let cq = QpCq::new(&device, &events, entries, sizes.share_cq)?;
         let ring_isolation = if sizes.recv_ring == 0 {
             RingIsolation::NoRing
         } else if device.has_memory_windows() {
