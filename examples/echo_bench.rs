@@ -71,6 +71,9 @@ enum Cmd {
         /// RdmaConfig::ring_size, bytes.
         #[arg(long, default_value_t = 65536)]
         ring_size: u32,
+        /// RdmaConfig::share_completion_queue (streams).
+        #[arg(long)]
+        share_cq: bool,
         /// Serve MessageEndpoints (echo each message) instead of streams.
         #[arg(long)]
         message: bool,
@@ -97,6 +100,9 @@ enum Cmd {
         /// RdmaConfig::ring_size, bytes.
         #[arg(long, default_value_t = 65536)]
         ring_size: u32,
+        /// RdmaConfig::share_completion_queue (streams).
+        #[arg(long)]
+        share_cq: bool,
         /// Requests are messages on a MessageEndpoint (server `--message`).
         #[arg(long)]
         message: bool,
@@ -147,10 +153,11 @@ fn runtime(flavor: Flavor) -> tokio::runtime::Runtime {
     .expect("tokio runtime")
 }
 
-fn config(busy_poll_us: u64, ring_size: u32) -> RdmaConfig {
+fn config(busy_poll_us: u64, ring_size: u32, share_cq: bool) -> RdmaConfig {
     RdmaConfig::new()
         .busy_poll(Duration::from_micros(busy_poll_us))
         .ring_size(ring_size)
+        .share_completion_queue(share_cq)
 }
 
 /// User + system CPU time of this process (all threads), microseconds.
@@ -379,13 +386,14 @@ fn main() -> std::process::ExitCode {
             runtime: flavor,
             busy_poll_us,
             ring_size,
+            share_cq,
             message,
         } => {
             let rt = runtime(flavor);
             let served = if message {
                 rt.block_on(serve_messages(addr))
             } else {
-                rt.block_on(serve(addr, config(busy_poll_us, ring_size)))
+                rt.block_on(serve(addr, config(busy_poll_us, ring_size, share_cq)))
             };
             if let Err(e) = served {
                 eprintln!("echo_bench server: {e}");
@@ -401,9 +409,10 @@ fn main() -> std::process::ExitCode {
             runtime: flavor,
             busy_poll_us,
             ring_size,
+            share_cq,
             message,
         } => {
-            let cfg = config(busy_poll_us, ring_size);
+            let cfg = config(busy_poll_us, ring_size, share_cq);
             let rt = runtime(flavor);
             let run = if message {
                 rt.block_on(closed_loop_messages(

@@ -242,15 +242,16 @@ impl RdmaConfig {
     /// shared with other connections of the same tokio runtime and device
     /// (up to 60 with the default depths) instead of a CQ of its own
     /// (default `false`). A shared CQ saves device CQs (a device has
-    /// `max_cq` of them: 16,384 on rxe) but not memory (each connection
-    /// reserves its send plus receive depth in it), and it must stay armed
-    /// while any connection on it waits, so a busy connection on it raises
-    /// a completion event per completion burst: in the Soft-RoCE guest a
-    /// parked 64 B round trip took about twice as long
-    /// (benches/README.md, "Shared completion queues"). Meant for many
-    /// mostly idle connections. Without it a connection still gets a
-    /// shared CQ once the process holds half the device's `max_cq` CQs of
-    /// their own, rather than failing at the limit.
+    /// `max_cq` of them; rxe in the Soft-RoCE guest allows 1,048,576) but
+    /// not memory (each connection reserves its send plus receive depth,
+    /// plus 16 entries, in it), and it must stay armed while any connection
+    /// on it waits, so a busy connection on it raises a completion event
+    /// per completion burst: in the Soft-RoCE guest a parked 64 B round
+    /// trip took 1.6-2.8x as long in mean (benches/README.md, "Shared
+    /// completion queues"). Meant for many mostly idle connections on a
+    /// device with few CQs. Without it a connection still gets a shared CQ
+    /// once the process holds half the device's `max_cq` CQs of their own,
+    /// rather than failing at the limit.
     pub fn share_completion_queue(mut self, share: bool) -> Self {
         self.share_completion_queue = share;
         self
