@@ -76,15 +76,20 @@ impl AsRawFd for ChannelFd {
     }
 }
 
-/// One CQ's event flag and the tasks waiting for it, on a shared channel.
+/// One CQ's event flags and the tasks waiting for it, on a shared channel.
 ///
 /// Application tasks (a reader, `recv`) are woken before the connection's
 /// driver task, the order tokio's reactor uses for a channel of the
 /// connection's own (its `poll_read_ready` slot before its `readable()`
-/// waiters): the reader takes its data before the driver's round.
+/// waiters): the reader takes its data before the driver's round. The
+/// driver has a flag of its own, so every event reaches it even when an
+/// application task took the event first (as every event reaches the
+/// `readable()` waiters of a channel of the connection's own): the driver
+/// must see a failure to disconnect.
 #[derive(Default)]
 pub(crate) struct CqSignal {
     fired: AtomicBool,
+    driver_fired: AtomicBool,
     waiters: Mutex<Waiters>,
 }
 
@@ -98,8 +103,15 @@ impl CqSignal {
     /// Ready (and the flag taken) if an event came since the last take;
     /// otherwise `cx`'s task is registered (every registered task is woken
     /// by the next event, a task polled twice is kept once) and Pending.
+    /// Application tasks share one flag (the first to look takes the
+    /// event); the driver has its own.
     fn poll_take(&self, cx: &mut Context<'_>, driver: bool) -> Poll<()> {
-        if self.fired.swap(false, Ordering::AcqRel) {
+        let flag = if driver {
+            &self.driver_fired
+        } else {
+            &self.fired
+        };
+        if flag.swap(false, Ordering::AcqRel) {
             return Poll::Ready(());
         }
         {
@@ -112,7 +124,7 @@ impl CqSignal {
         }
         // An event between the swap and the registration set the flag
         // after or before the wake-up list was taken: look again.
-        if self.fired.swap(false, Ordering::AcqRel) {
+        if flag.swap(false, Ordering::AcqRel) {
             return Poll::Ready(());
         }
         Poll::Pending
@@ -120,11 +132,27 @@ impl CqSignal {
 
     fn fire(&self) {
         self.fired.store(true, Ordering::Release);
+        self.driver_fired.store(true, Ordering::Release);
         let w = std::mem::take(&mut *self.waiters.lock().unwrap_or_else(|p| p.into_inner()));
         for t in w.tasks {
             t.wake();
         }
         if let Some(d) = w.driver {
+            d.wake();
+        }
+    }
+
+    /// Wakes the driver only (an application task polling for itself took
+    /// a failed completion: the driver must see the failure).
+    fn fire_driver(&self) {
+        self.driver_fired.store(true, Ordering::Release);
+        let d = self
+            .waiters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .driver
+            .take();
+        if let Some(d) = d {
             d.wake();
         }
     }
@@ -406,9 +434,18 @@ impl QpCq {
             }),
             CqEvents::Shared { hub, signal } if !share && !own_cqs_at_limit(device) => {
                 let cq = create_cq(device, hub.channel(), entries)?;
+                // An entry still there can only be a destroyed shared CQ's
+                // (those are removed lazily): a live CQ has another address.
                 let earlier =
                     lock(&hub.routes).insert(raw_cq(&cq) as usize, Route::Cq(Arc::clone(signal)));
-                debug_assert!(earlier.is_none(), "a live CQ's address routed twice");
+                debug_assert!(
+                    match &earlier {
+                        None => true,
+                        Some(Route::Shared(e)) => e.cq.strong_count() == 0,
+                        Some(Route::Cq(_)) => false,
+                    },
+                    "a live CQ's address routed twice"
+                );
                 Ok(QpCq::Own {
                     cq,
                     hub: Some(Arc::clone(hub)),
@@ -485,16 +522,8 @@ impl QpCq {
     /// afterwards.
     pub(crate) fn unroute_after(&self, qp_num: u32, destroy_qp: impl FnOnce()) {
         match self {
-            QpCq::Own { cq, hub, .. } => {
-                destroy_qp();
-                // Before the CQ is destroyed (with this value): a CQ created
-                // later at the same address must not get this one's route.
-                // Events still queued for it are acknowledged by the hub
-                // (ibv_destroy_cq waits for that) and dropped.
-                if let Some(hub) = hub {
-                    lock(&hub.routes).remove(&(raw_cq(cq) as usize));
-                }
-            }
+            // Its hub route goes in Drop.
+            QpCq::Own { .. } => destroy_qp(),
             QpCq::Shared { seat, inbox } => {
                 let mut routes = lock(&seat.cq.routes);
                 destroy_qp();
@@ -505,6 +534,22 @@ impl QpCq {
                     routes.remove(&qp_num);
                 }
             }
+        }
+    }
+}
+
+impl Drop for QpCq {
+    fn drop(&mut self) {
+        // Before the CQ is destroyed (the fields drop after this): a CQ
+        // created later at the same address must not get this one's route.
+        // Events still queued for it are acknowledged by the hub
+        // (ibv_destroy_cq waits for that) and dropped. Also runs when the
+        // QP's creation failed after the CQ was made.
+        if let QpCq::Own {
+            cq, hub: Some(hub), ..
+        } = self
+        {
+            lock(&hub.routes).remove(&(raw_cq(cq) as usize));
         }
     }
 }
@@ -533,7 +578,8 @@ pub(crate) struct SharedCq {
 impl SharedCq {
     /// Polls the CQ (the caller holds `routes`) and hands each completion
     /// to its QP's inbox, waking that QP's waiters except those of `me`
-    /// (the caller takes its own inbox next). A completion of a QP without
+    /// (the caller takes its own inbox next; only `me`'s driver is woken,
+    /// for a failed completion). A completion of a QP without
     /// a route (one being created) cannot arrive: a QP is routed before it
     /// is connected.
     fn hand_out(&self, routes: &HashMap<u32, Arc<Inbox>>, me: Option<u32>) -> Result<()> {
@@ -543,10 +589,16 @@ impl SharedCq {
                 return;
             };
             lock(&inbox.wcs).push(Completion::from_wc(wc));
-            // Consecutive completions of one QP wake it once.
-            if Some(wc.qp_num) != me && woken != Some(wc.qp_num) {
-                inbox.signal.fire();
-                woken = Some(wc.qp_num);
+            // Consecutive completions of one QP wake it once. The poller's
+            // own QP is not woken (it takes its inbox next), except its
+            // driver for a failed completion, which it must act on.
+            if Some(wc.qp_num) != me {
+                if woken != Some(wc.qp_num) {
+                    inbox.signal.fire();
+                    woken = Some(wc.qp_num);
+                }
+            } else if wc.status != 0 {
+                inbox.signal.fire_driver();
             }
         })
     }
@@ -823,7 +875,8 @@ mod tests {
     }
 
     #[test]
-    fn an_event_wakes_every_waiter_once_application_tasks_before_the_driver() {
+    fn an_event_wakes_every_waiter_once_application_tasks_before_the_driver_which_sees_every_event()
+    {
         let order = Arc::new(Mutex::new(Vec::new()));
         let (reader, writer, driver) = (
             waker("reader", &order),
@@ -850,9 +903,18 @@ mod tests {
         );
         s.fire();
         assert_eq!(*order.lock().unwrap(), ["reader", "writer", "driver"]);
-        // The first to look takes the event; the others wait for the next.
+        // The first application task to look takes the event, the others
+        // wait for the next; the driver sees every event (its own flag).
         assert_eq!(
             s.poll_take(&mut Context::from_waker(&reader), false),
+            Poll::Ready(())
+        );
+        assert_eq!(
+            s.poll_take(&mut Context::from_waker(&writer), false),
+            Poll::Pending
+        );
+        assert_eq!(
+            s.poll_take(&mut Context::from_waker(&driver), true),
             Poll::Ready(())
         );
         assert_eq!(
@@ -860,13 +922,36 @@ mod tests {
             Poll::Pending
         );
         s.fire();
-        assert_eq!(order.lock().unwrap().len(), 4);
-        assert_eq!(order.lock().unwrap()[3], "driver");
+        assert_eq!(
+            *order.lock().unwrap(),
+            ["reader", "writer", "driver", "writer", "driver"]
+        );
         // An event with nobody waiting is kept for the next look.
         s.fire();
-        assert_eq!(order.lock().unwrap().len(), 4);
+        assert_eq!(order.lock().unwrap().len(), 5);
         assert_eq!(
             s.poll_take(&mut Context::from_waker(&writer), false),
+            Poll::Ready(())
+        );
+        assert_eq!(
+            s.poll_take(&mut Context::from_waker(&writer), false),
+            Poll::Pending
+        );
+        // The driver alone (a failed completion an application task took):
+        // the waiting application task is not woken.
+        assert_eq!(
+            s.poll_take(&mut Context::from_waker(&driver), true),
+            Poll::Ready(())
+        );
+        assert_eq!(
+            s.poll_take(&mut Context::from_waker(&driver), true),
+            Poll::Pending
+        );
+        s.fire_driver();
+        assert_eq!(order.lock().unwrap().len(), 6);
+        assert_eq!(order.lock().unwrap()[5], "driver");
+        assert_eq!(
+            s.poll_take(&mut Context::from_waker(&driver), true),
             Poll::Ready(())
         );
         assert_eq!(
