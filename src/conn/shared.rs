@@ -11,7 +11,7 @@
 //! every waiter of every kind, each registered in a [`WakerList`].
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::Duration;
@@ -142,6 +142,8 @@ pub(crate) struct Shared<D> {
     state: Mutex<D>,
     /// Wakes the driver (the last handle dropped, or work to re-check).
     notify: Notify,
+    /// Set once an application task woke the driver for a failure.
+    failure_nudged: AtomicBool,
     /// Live application handles (a stream or a half, an endpoint or a clone).
     handles: AtomicUsize,
     /// Set (`true`) once the driver has disconnected.
@@ -183,6 +185,18 @@ impl<D: Driven> Shared<D> {
     pub(crate) fn nudge(&self) {
         self.notify.notify_one();
     }
+
+    /// Wakes the driver once when `st` (this connection's state, locked by
+    /// an application task that just polled the CQ itself) holds a
+    /// failure: the driver disconnects, which tells the peer, and would
+    /// otherwise see the failure only at its next completion event or
+    /// keepalive probe (the task took the completion, and on a CQ polled
+    /// before it was armed no event comes).
+    pub(crate) fn nudge_if_failed(&self, st: &D) {
+        if st.failure().is_some() && !self.failure_nudged.swap(true, Ordering::AcqRel) {
+            self.notify.notify_one();
+        }
+    }
 }
 
 /// What the handshake established, to start a connection with.
@@ -212,6 +226,7 @@ pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
     let shared = Arc::new(Shared {
         state: Mutex::new(s.state),
         notify: Notify::new(),
+        failure_nudged: AtomicBool::new(false),
         handles: AtomicUsize::new(1),
         closed: watch::Sender::new(false),
         local_addr,

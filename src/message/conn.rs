@@ -496,12 +496,14 @@ impl MsgConn {
                 break;
             }
         }
+        self.nudge_if_failed(&st);
         st
     }
 
     pub(crate) fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<io::Result<Option<PoolBytes>>> {
         let mut st = self.lock();
         st.drain();
+        self.nudge_if_failed(&st);
         if !Self::recv_ready(&st) {
             st = self.wait_recv(st, cx);
         }
@@ -609,6 +611,7 @@ impl MsgConn {
     pub(crate) fn poll_posted(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let mut st = self.lock();
         st.drain();
+        self.nudge_if_failed(&st);
         if let Some(e) = Self::send_error(&st) {
             return Poll::Ready(Err(e));
         }
@@ -622,6 +625,7 @@ impl MsgConn {
     pub(crate) fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let mut st = self.lock();
         st.drain();
+        self.nudge_if_failed(&st);
         if let Some(e) = st.error_io() {
             return Poll::Ready(Err(e));
         }

@@ -329,6 +329,7 @@ impl Conn {
                 break;
             }
         }
+        self.nudge_if_failed(&st);
         st
     }
 
