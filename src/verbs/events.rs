@@ -115,7 +115,7 @@ impl CqSignal {
             return Poll::Ready(());
         }
         {
-            let mut w = self.waiters.lock().unwrap_or_else(|p| p.into_inner());
+            let mut w = lock(&self.waiters);
             if driver {
                 w.driver = Some(cx.waker().clone());
             } else if !w.tasks.iter().any(|x| x.will_wake(cx.waker())) {
@@ -133,7 +133,7 @@ impl CqSignal {
     fn fire(&self) {
         self.fired.store(true, Ordering::Release);
         self.driver_fired.store(true, Ordering::Release);
-        let w = std::mem::take(&mut *self.waiters.lock().unwrap_or_else(|p| p.into_inner()));
+        let w = std::mem::take(&mut *lock(&self.waiters));
         for t in w.tasks {
             t.wake();
         }
@@ -146,12 +146,7 @@ impl CqSignal {
     /// a failed completion: the driver must see the failure).
     fn fire_driver(&self) {
         self.driver_fired.store(true, Ordering::Release);
-        let d = self
-            .waiters
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .driver
-            .take();
+        let d = lock(&self.waiters).driver.take();
         if let Some(d) = d {
             d.wake();
         }
@@ -704,7 +699,7 @@ impl CqHub {
             source: io::Error::other(e),
         })?;
         let key = (runtime.id(), Arc::as_ptr(device) as usize);
-        let mut hubs = HUBS.lock().unwrap_or_else(|p| p.into_inner());
+        let mut hubs = lock(&HUBS);
         let hubs = hubs.get_or_insert_with(HashMap::new);
         if let Some(hub) = hubs.get(&key).and_then(Weak::upgrade)
             && hub.alive.load(Ordering::Acquire)
@@ -848,6 +843,8 @@ async fn dispatch(hub: Arc<CqHub>) {
 #[cfg(test)]
 mod tests {
     use super::{CqSignal, at_half};
+    use std::sync::{Arc, Mutex};
+    use std::task::{Context, Poll, Wake, Waker};
 
     #[test]
     fn connections_share_cqs_from_half_the_device_limit_on() {
@@ -859,8 +856,6 @@ mod tests {
         assert!(!at_half(1 << 40, 0));
         assert!(at_half(0, 1));
     }
-    use std::sync::{Arc, Mutex};
-    use std::task::{Context, Poll, Wake, Waker};
 
     /// Records its name in `order` when woken.
     struct Named(&'static str, Arc<Mutex<Vec<&'static str>>>);
@@ -874,6 +869,11 @@ mod tests {
         Waker::from(Arc::new(Named(name, Arc::clone(order))))
     }
 
+    /// One `poll_take` by the task of `waker` (the driver's if `driver`).
+    fn take(s: &CqSignal, waker: &Waker, driver: bool) -> Poll<()> {
+        s.poll_take(&mut Context::from_waker(waker), driver)
+    }
+
     #[test]
     fn an_event_wakes_every_waiter_once_application_tasks_before_the_driver_which_sees_every_event()
     {
@@ -885,42 +885,18 @@ mod tests {
         );
         let s = CqSignal::default();
         // The driver registers first, as it usually does.
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&driver), true),
-            Poll::Pending
-        );
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&reader), false),
-            Poll::Pending
-        );
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&reader), false),
-            Poll::Pending
-        );
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&writer), false),
-            Poll::Pending
-        );
+        assert_eq!(take(&s, &driver, true), Poll::Pending);
+        assert_eq!(take(&s, &reader, false), Poll::Pending);
+        assert_eq!(take(&s, &reader, false), Poll::Pending);
+        assert_eq!(take(&s, &writer, false), Poll::Pending);
         s.fire();
         assert_eq!(*order.lock().unwrap(), ["reader", "writer", "driver"]);
         // The first application task to look takes the event, the others
         // wait for the next; the driver sees every event (its own flag).
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&reader), false),
-            Poll::Ready(())
-        );
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&writer), false),
-            Poll::Pending
-        );
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&driver), true),
-            Poll::Ready(())
-        );
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&driver), true),
-            Poll::Pending
-        );
+        assert_eq!(take(&s, &reader, false), Poll::Ready(()));
+        assert_eq!(take(&s, &writer, false), Poll::Pending);
+        assert_eq!(take(&s, &driver, true), Poll::Ready(()));
+        assert_eq!(take(&s, &driver, true), Poll::Pending);
         s.fire();
         assert_eq!(
             *order.lock().unwrap(),
@@ -929,34 +905,16 @@ mod tests {
         // An event with nobody waiting is kept for the next look.
         s.fire();
         assert_eq!(order.lock().unwrap().len(), 5);
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&writer), false),
-            Poll::Ready(())
-        );
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&writer), false),
-            Poll::Pending
-        );
+        assert_eq!(take(&s, &writer, false), Poll::Ready(()));
+        assert_eq!(take(&s, &writer, false), Poll::Pending);
         // The driver alone (a failed completion an application task took):
         // the waiting application task is not woken.
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&driver), true),
-            Poll::Ready(())
-        );
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&driver), true),
-            Poll::Pending
-        );
+        assert_eq!(take(&s, &driver, true), Poll::Ready(()));
+        assert_eq!(take(&s, &driver, true), Poll::Pending);
         s.fire_driver();
         assert_eq!(order.lock().unwrap().len(), 6);
         assert_eq!(order.lock().unwrap()[5], "driver");
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&driver), true),
-            Poll::Ready(())
-        );
-        assert_eq!(
-            s.poll_take(&mut Context::from_waker(&writer), false),
-            Poll::Pending
-        );
+        assert_eq!(take(&s, &driver, true), Poll::Ready(()));
+        assert_eq!(take(&s, &writer, false), Poll::Pending);
     }
 }
