@@ -115,6 +115,42 @@ async fn sizes_arrive_intact_in_order_and_in_pool_memory() {
     assert!(matches!(end, Ok(None)), "clean end, got {end:?}");
 }
 
+/// The client's close reaches the server as a CLOSE message before the
+/// disconnect: exactly one more control message arrives, `recv` returns
+/// what came first and then `None`, and a send fails with `BrokenPipe`, as
+/// a write after a TCP peer's close would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_peers_close_arrives_as_close_then_ends_recv_and_send() {
+    let cfg = MessageConfig::new();
+    let (client, server) = pair(&cfg, &cfg).await;
+    send_pattern(&client, 3, 100).await;
+    send_pattern(&client, 4, 5000).await;
+    assert_eq!(
+        &server.recv().await.unwrap().unwrap()[..],
+        &pattern(3, 100)[..]
+    );
+    let control_before = server.stats().control_received;
+    let client_stats_before = client.stats();
+    client.close().await.expect("clean close");
+    // The rendezvous sent before the close still arrives whole.
+    let msg = server.recv().await.unwrap().expect("the second message");
+    assert_eq!(&msg[..], &pattern(4, 5000)[..]);
+    let end = tokio::time::timeout(Duration::from_secs(20), server.recv())
+        .await
+        .expect("end of stream in time");
+    assert!(matches!(end, Ok(None)), "clean end, got {end:?}");
+    // The client sent no CREDIT (it received nothing): the one control
+    // message beyond those before is its CLOSE.
+    assert_eq!(client_stats_before.credits_sent, 0);
+    assert_eq!(server.stats().control_received, control_before + 1);
+    let err = server.send_copy(b"late").await.expect_err("peer closed");
+    assert_eq!(err.kind(), io::ErrorKind::BrokenPipe, "{err}");
+    assert!(
+        matches!(server.flush().await, Ok(())),
+        "nothing of ours was lost"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eager_send_posts_the_pool_buffer_itself() {
     let cfg = MessageConfig::new();

@@ -74,8 +74,8 @@ pub(crate) struct MsgState {
     flushers: WakerList,
     /// The connection's error, once it failed.
     error: Option<Error>,
-    /// The peer disconnected cleanly (rdma_cm DISCONNECTED with nothing of
-    /// ours left untaken and nothing of its own half-sent).
+    /// The peer closed cleanly: its CLOSE arrived, or rdma_cm DISCONNECTED
+    /// with nothing of ours left untaken and nothing of its own half-sent.
     peer_closed: bool,
     /// This side disconnected.
     closing: bool,
@@ -156,8 +156,29 @@ impl MsgState {
                 drop(self.qp.take_recv(wc.wr_id, 0));
             } else {
                 self.qp.send_completed(wc.wr_id);
+                if wc.status != WC_WR_FLUSH_ERR {
+                    // The first failure is the oldest WR not acknowledged
+                    // (RC completes in order): every WR before it, signaled
+                    // or not, was taken by the peer. An unknown id means
+                    // none was outstanding before it.
+                    let _ = self.core.on_send_complete(wc.wr_id.wrapping_sub(1));
+                    self.handle_events();
+                }
             }
             if wc.status == WC_WR_FLUSH_ERR && self.dead() {
+                return;
+            }
+            if self.core.peer_closed()
+                && self.qp.sends_not_taken() == 0
+                && self.core.incomplete_recv() == 0
+            {
+                // The peer closed (its CLOSE arrived, and it disconnects
+                // once that completed) with nothing of ours left untaken:
+                // a WR of ours posted before the CLOSE arrived (a CREDIT)
+                // failing against its closed QP is the end of a clean
+                // close, not a lost connection.
+                debug!(op, status = wc.status, "WR failed after the peer's CLOSE");
+                self.qp.as_mut().set_error();
                 return;
             }
             // REM_ACCESS_ERR on a READ: the announced range or rkey is not
@@ -190,6 +211,13 @@ impl MsgState {
                     }
                 }
                 Err(e) => self.protocol_error(e),
+            }
+            if self.core.peer_closed() && !self.peer_closed {
+                // The peer's CLOSE: what arrived is delivered, then the end;
+                // our sends fail with PeerClosed (wake_all below and here).
+                debug!("peer closed the message endpoint");
+                self.peer_closed = true;
+                self.flushers.wake_all();
             }
             // A message arrived, or credit for blocked sends.
             self.receivers.wake_all();
@@ -423,7 +451,10 @@ impl Driven for MsgState {
         self.wake_all();
     }
 
-    fn on_last_handle(&mut self) {}
+    /// CLOSE goes out once everything of ours is done (the core decides).
+    fn on_last_handle(&mut self) {
+        self.core.close();
+    }
 
     fn alive(&self) -> bool {
         !self.dead()
@@ -433,8 +464,14 @@ impl Driven for MsgState {
         self.error.as_ref().map(|_| self.core.all_sent())
     }
 
+    /// Disconnect once our CLOSE completed (the peer received it), or the
+    /// peer closed, or the connection failed; without a credit for CLOSE,
+    /// once everything else is done.
     fn finished(&self) -> bool {
-        self.error.is_some() || self.peer_closed || self.core.all_sent()
+        self.error.is_some()
+            || self.peer_closed
+            || self.core.close_completed()
+            || self.core.close_blocked()
     }
 
     /// A clean close by the peer leaves nothing of ours untaken and nothing
@@ -594,6 +631,7 @@ impl MsgConn {
             st.qp.release_send(token);
             return Err(match e {
                 SendError::TooLong { .. } => io::Error::new(io::ErrorKind::InvalidInput, e),
+                SendError::PeerClosed | SendError::Closed => Error::PeerClosed.into(),
                 _ => st
                     .error_io()
                     .unwrap_or_else(|| Error::PeerDisconnected.into()),

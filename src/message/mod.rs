@@ -25,12 +25,18 @@
 //!
 //! # Closing
 //!
-//! The message protocol has no FIN: dropping every handle waits (up to
-//! [`RdmaConfig::linger`](crate::RdmaConfig::linger)) until every message
-//! sent was taken by the peer's NIC (an eager SEND acknowledged, a
-//! rendezvous READ by the peer), then disconnects. The peer then receives
-//! what arrived and `None` (end of stream). A peer that vanishes in the
-//! middle of a rendezvous is an error, not an end.
+//! Dropping every handle (or [`MessageEndpoint::close`] on the last one)
+//! waits (up to [`RdmaConfig::linger`](crate::RdmaConfig::linger)) until
+//! every message sent was taken by the peer's NIC (an eager SEND
+//! acknowledged, a rendezvous READ by the peer), sends a CLOSE and
+//! disconnects once the peer's QP received it. The peer's `recv` then
+//! returns what arrived and `None` (end of stream), and its `send` fails
+//! with `BrokenPipe` ([`Error::PeerClosed`]), as a write after a TCP peer's
+//! close would. Because the peer learns of the close from the CLOSE, before
+//! the disconnect, its own control traffic still in flight (a credit
+//! return into the closed QP) is not mistaken for a lost connection. A peer
+//! that vanishes without CLOSE in the middle of a rendezvous is an error,
+//! not an end.
 
 mod conn;
 #[allow(unsafe_code)]

@@ -13,7 +13,7 @@
 //! | offset | size | field        | value                                              |
 //! |-------:|-----:|--------------|----------------------------------------------------|
 //! | 0      | 4    | magic        | [`MAGIC`] = `0x544B_5244` (`"TKRD"`)               |
-//! | 4      | 2    | version      | [`VERSION`] = 3                                    |
+//! | 4      | 2    | version      | [`VERSION`] = 4                                    |
 //! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
 //! | 7      | 1    | flags        | 0 (ignored on receipt)                             |
 //! | 8      | 8    | ring_addr    | byte stream: virtual address of the sender's receive ring; message endpoint: `max_message_len`, bytes, `1..=2^48` |
@@ -45,8 +45,11 @@ pub const MAGIC: u32 = 0x544B_5244;
 /// a memory window; version 3 makes a message endpoint post only
 /// `min(recv_depth, 15)` receive buffers at first, so its peer's initial
 /// credit is that, not `recv_depth`
-/// ([`initial_recv_posted`](crate::proto::message::initial_recv_posted)).
-pub const VERSION: u16 = 3;
+/// ([`initial_recv_posted`](crate::proto::message::initial_recv_posted));
+/// version 4 adds the message endpoint's CLOSE
+/// ([`MsgImm::Close`](crate::proto::message::MsgImm::Close)), so a peer's
+/// close is told from a lost connection.
+pub const VERSION: u16 = 4;
 
 /// Length in bytes of an encoded [`Hello`].
 pub const HELLO_LEN: usize = 32;
@@ -469,7 +472,7 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x03, // version
+                0x00, 0x04, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
@@ -560,13 +563,13 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        for found in [0u16, 1, 2, 4] {
+        for found in [0u16, 1, 2, 3, 5] {
             bytes[4..6].copy_from_slice(&found.to_be_bytes());
             assert_eq!(
                 Hello::decode(&bytes),
                 Err(HandshakeError::UnsupportedVersion {
                     found,
-                    supported: 3
+                    supported: 4
                 })
             );
         }
@@ -661,7 +664,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x03, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x04, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);

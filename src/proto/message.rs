@@ -22,7 +22,8 @@
 //! | `010`       | DONE   | sequence number of the RTS it completes       | none                      |
 //! | `011`       | CREDIT | receive buffers returned, `1..=2^29-1`        | none                      |
 //! | `100`       | ABORT  | error code, `0..=2^29-1`                      | none                      |
-//! | `101..111`  | —      | unknown: a protocol error                     |                           |
+//! | `101`       | CLOSE  | must be 0                                     | none                      |
+//! | `110..111`  | —      | unknown: a protocol error                     |                           |
 //!
 //! A message of at most `eager_max` bytes goes EAGER (inline when at most
 //! `inline_threshold` bytes). A larger one goes by rendezvous: the sender
@@ -95,6 +96,27 @@
 //!    can produce now is signaled, so every burst ends with a completion that
 //!    releases it.
 //!
+//! CLOSE, like ABORT, is terminal and needs one credit: it may take a
+//! credit from 1 to 0 (point 1 counts it with ABORT).
+//!
+//! # Closing
+//!
+//! A side whose application let go of the endpoint ([`MessageCore::close`])
+//! sends CLOSE once everything of its own is done: every queued message
+//! posted, every rendezvous of its own DONE'd, every rendezvous of the
+//! peer's read and DONE'd. CLOSE goes ahead of a CREDIT then (a closing
+//! side needs no more messages) and is the last WR that side posts. The
+//! peer, on CLOSE, posts nothing more either (no CREDIT, no message: its
+//! later sends fail with [`SendError::PeerClosed`]), delivers what arrived
+//! and then reports the end ([`MessageCore::peer_closed`]). The closing
+//! side disconnects once its CLOSE completed: the peer's QP acknowledged
+//! it, so the peer knows the close was clean before the disconnect can
+//! reach it, and a failure of one of the peer's own WRs posted before the
+//! CLOSE arrived (a CREDIT into the closed QP) is not mistaken for a lost
+//! connection. Without a credit for CLOSE
+//! ([`MessageCore::close_blocked`]), the runtime disconnects without it.
+//! Both sides may close at once: each takes the other's CLOSE as the end.
+//!
 //! `src/proto/message_tests.rs` checks this on many random schedules and
 //! exhaustively on small configurations.
 
@@ -153,6 +175,7 @@ const TYPE_RTS: u32 = 0b001;
 const TYPE_DONE: u32 = 0b010;
 const TYPE_CREDIT: u32 = 0b011;
 const TYPE_ABORT: u32 = 0b100;
+const TYPE_CLOSE: u32 = 0b101;
 
 /// A decoded message immediate (see the [module docs](self) for the table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -182,6 +205,9 @@ pub enum MsgImm {
         /// The abort code.
         code: u32,
     },
+    /// The sender closed: everything of its own is done and it posts
+    /// nothing after this (see [Closing](self#closing)).
+    Close,
 }
 
 impl MsgImm {
@@ -194,6 +220,7 @@ impl MsgImm {
             MsgImm::Done { seq } => (TYPE_DONE, seq),
             MsgImm::Credit { count } => (TYPE_CREDIT, count),
             MsgImm::Abort { code } => (TYPE_ABORT, code),
+            MsgImm::Close => (TYPE_CLOSE, 0),
         };
         (ty << TYPE_SHIFT) | (low & MAX_IMM_VALUE)
     }
@@ -202,9 +229,9 @@ impl MsgImm {
     ///
     /// # Errors
     ///
-    /// [`MessageError::UnknownType`] for types `101..=111`;
-    /// [`MessageError::BadImm`] for an EAGER with non-zero low bits or a
-    /// CREDIT of 0.
+    /// [`MessageError::UnknownType`] for types `110..=111`;
+    /// [`MessageError::BadImm`] for an EAGER or CLOSE with non-zero low
+    /// bits or a CREDIT of 0.
     pub fn decode(imm: u32) -> Result<MsgImm, MessageError> {
         let low = imm & MAX_IMM_VALUE;
         match imm >> TYPE_SHIFT {
@@ -221,6 +248,11 @@ impl MsgImm {
             }),
             TYPE_CREDIT => Ok(MsgImm::Credit { count: low }),
             TYPE_ABORT => Ok(MsgImm::Abort { code: low }),
+            TYPE_CLOSE if low != 0 => Err(MessageError::BadImm {
+                imm,
+                reason: "CLOSE with non-zero low 29 bits",
+            }),
+            TYPE_CLOSE => Ok(MsgImm::Close),
             _ => Err(MessageError::UnknownType { imm }),
         }
     }
@@ -274,8 +306,8 @@ impl RtsHeader {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum MessageError {
-    /// A malformed immediate: an EAGER with non-zero low bits or a CREDIT
-    /// returning 0 buffers.
+    /// A malformed immediate: an EAGER or CLOSE with non-zero low bits or
+    /// a CREDIT returning 0 buffers.
     #[error("invalid message immediate {imm:#010x}: {reason}")]
     BadImm {
         /// The immediate as received (host order).
@@ -283,7 +315,7 @@ pub enum MessageError {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// The top 3 bits of the immediate name no message type (`101..=111`).
+    /// The top 3 bits of the immediate name no message type (`110..=111`).
     #[error("unknown message type in immediate {imm:#010x}")]
     UnknownType {
         /// The immediate as received.
@@ -380,6 +412,12 @@ pub enum MessageError {
         /// The late immediate.
         imm: u32,
     },
+    /// A message arrived after the peer's CLOSE, which must be its last.
+    #[error("peer sent immediate {imm:#010x} after its CLOSE")]
+    MessageAfterClose {
+        /// The late immediate.
+        imm: u32,
+    },
     /// The runtime reported a send-queue completion (SEND or READ) for a
     /// wr_id that is not outstanding.
     #[error("completion for unknown wr_id {wr_id} (outstanding first/last: {outstanding:?})")]
@@ -414,7 +452,8 @@ impl MessageError {
     /// `BadMessageLen` 5, `BadRtsAddress` 6, `RendezvousOverrun` 7,
     /// `BadSequence` 8, `UnexpectedDone` 9, `UnexpectedPayload` 10,
     /// `CreditOverflow` 11, `RecvOverrun` 12, `MessageAfterAbort` 13,
-    /// `UnknownWrId` 14, `NoDestinationRequested` 15, `InvalidParams` 16.
+    /// `UnknownWrId` 14, `NoDestinationRequested` 15, `InvalidParams` 16,
+    /// `MessageAfterClose` 17.
     /// Code 0 is `ABORT_CODE_APPLICATION`.
     pub fn abort_code(&self) -> u32 {
         match self {
@@ -434,12 +473,13 @@ impl MessageError {
             MessageError::UnknownWrId { .. } => 14,
             MessageError::NoDestinationRequested { .. } => 15,
             MessageError::InvalidParams { .. } => 16,
+            MessageError::MessageAfterClose { .. } => 17,
         }
     }
 }
 
 /// What an ABORT code means: `"application"` for 0, the
-/// [`MessageError`] variant's description for 1..=16 (see
+/// [`MessageError`] variant's description for 1..=17 (see
 /// [`MessageError::abort_code`]), `"unknown"` otherwise.
 pub fn abort_code_reason(code: u32) -> &'static str {
     match code {
@@ -460,6 +500,7 @@ pub fn abort_code_reason(code: u32) -> &'static str {
         14 => "completion for unknown work request",
         15 => "destination not requested",
         16 => "invalid parameters",
+        17 => "message after close",
         _ => "unknown",
     }
 }
@@ -475,6 +516,12 @@ pub enum SendError {
     /// The peer aborted, or the connection was lost.
     #[error("message endpoint was reset by the peer")]
     Reset,
+    /// The peer closed (its CLOSE arrived): it takes no more messages.
+    #[error("message endpoint was closed by the peer")]
+    PeerClosed,
+    /// This side closed ([`MessageCore::close`]).
+    #[error("message endpoint is closed")]
+    Closed,
     /// The message is longer than `max_message_len`.
     #[error("message of {len} bytes exceeds the maximum of {max} bytes")]
     TooLong {
@@ -584,7 +631,7 @@ pub enum MsgTransmitKind {
         /// Post with `IBV_SEND_INLINE` (`inline_threshold >= 20`).
         inline: bool,
     },
-    /// Zero-length SEND WITH IMMEDIATE: CREDIT, DONE or ABORT.
+    /// Zero-length SEND WITH IMMEDIATE: CREDIT, DONE, ABORT or CLOSE.
     Control {
         /// Immediate data (host order).
         imm: u32,
@@ -723,7 +770,7 @@ pub struct MessageStats {
     pub wrs_posted: u64,
     /// Signaled WRs among them.
     pub signaled: u64,
-    /// Control messages posted (CREDIT, DONE, ABORT).
+    /// Control messages posted (CREDIT, DONE, ABORT, CLOSE).
     pub control_sent: u64,
     /// CREDIT messages among them.
     pub credits_sent: u64,
@@ -765,6 +812,8 @@ enum WrKind {
     Eager { token: u64 },
     /// A READ of `len` bytes for rendezvous `seq`.
     Read { seq: u64, len: u32 },
+    /// This side's CLOSE.
+    Close,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -801,6 +850,7 @@ struct Reading {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Action {
     Abort(u32),
+    Close,
     Credit(u32),
     Done,
     Read,
@@ -865,6 +915,10 @@ pub struct MessageCore {
 
     // Lifecycle.
     local_abort: Option<(u32, bool)>,
+    /// This side's close: wanted, posted, completed.
+    close: CloseState,
+    /// The peer's CLOSE arrived.
+    peer_closed: bool,
     peer_abort: Option<u32>,
     lost: bool,
     events: VecDeque<MsgEvent>,
@@ -873,6 +927,19 @@ pub struct MessageCore {
     sq_stalled: bool,
 
     stats: MessageStats,
+}
+
+/// Where this side's close stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum CloseState {
+    Open,
+    /// [`MessageCore::close`] was called; CLOSE goes out once everything
+    /// else is done.
+    Wanted,
+    /// CLOSE is posted; nothing follows it.
+    Posted,
+    /// CLOSE completed: the peer's QP received it.
+    Completed,
 }
 
 fn check(
@@ -994,6 +1061,8 @@ impl MessageCore {
             unposted: 0,
             reserved: p.recv_depth - p.recv_initial,
             local_abort: None,
+            close: CloseState::Open,
+            peer_closed: false,
             peer_abort: None,
             lost: false,
             events: VecDeque::new(),
@@ -1016,6 +1085,10 @@ impl MessageCore {
             Err(SendError::Aborted)
         } else if self.peer_abort.is_some() || self.lost {
             Err(SendError::Reset)
+        } else if self.peer_closed {
+            Err(SendError::PeerClosed)
+        } else if self.close != CloseState::Open {
+            Err(SendError::Closed)
         } else {
             Ok(())
         }
@@ -1031,7 +1104,9 @@ impl MessageCore {
     ///
     /// [`SendError::TooLong`] above `max_message_len`;
     /// [`SendError::Aborted`] / [`SendError::Reset`] after an abort or a
-    /// lost connection. Nothing is queued then.
+    /// lost connection; [`SendError::PeerClosed`] after the peer's CLOSE;
+    /// [`SendError::Closed`] after [`close`](MessageCore::close). Nothing
+    /// is queued then.
     pub fn send(&mut self, msg: OutboundMessage) -> Result<(), SendError> {
         self.send_state()?;
         if msg.len > self.p.max_message_len {
@@ -1070,13 +1145,18 @@ impl MessageCore {
     /// message not yet taken and rendezvous destination), and the next
     /// [`poll_transmit`](MessageCore::poll_transmit) returns an ABORT
     /// carrying `code` (low 29 bits) once one credit is available; nothing
-    /// follows it. Best effort after the peer's ABORT or a lost connection
-    /// (nothing is sent). Only the first call's code is used.
+    /// follows it. Best effort after the peer's ABORT, a lost connection or
+    /// a CLOSE either way (nothing is sent). Only the first call's code is
+    /// used.
     pub fn abort(&mut self, code: u32) {
         if self.local_abort.is_some() {
             return;
         }
-        let sent = self.peer_abort.is_some() || self.lost;
+        // Nothing follows a CLOSE, ours or the peer's: the abort is local.
+        let sent = self.peer_abort.is_some()
+            || self.lost
+            || self.peer_closed
+            || matches!(self.close, CloseState::Posted | CloseState::Completed);
         self.local_abort = Some((code & MAX_IMM_VALUE, sent));
         self.reclaim_all();
     }
@@ -1089,6 +1169,48 @@ impl MessageCore {
             self.lost = true;
             self.reclaim_all();
         }
+    }
+
+    /// The application let go of the endpoint: once every queued message
+    /// is posted, every rendezvous of ours DONE'd and every rendezvous of
+    /// the peer's read and DONE'd, [`poll_transmit`](MessageCore::poll_transmit)
+    /// returns a CLOSE (ahead of any CREDIT; it needs one credit), always
+    /// signaled, and nothing after it. Later [`send`](MessageCore::send)s
+    /// fail with [`SendError::Closed`]. Nothing is sent after an abort, a
+    /// lost connection or the peer's CLOSE (the peer is closing already).
+    pub fn close(&mut self) {
+        if self.close == CloseState::Open {
+            self.close = CloseState::Wanted;
+        }
+    }
+
+    /// Everything of ours is done and CLOSE may go (credit permitting).
+    fn close_ready(&self) -> bool {
+        self.close == CloseState::Wanted
+            && self.queue.is_empty()
+            && self.rts_outstanding.is_empty()
+            && self.dones_owed == 0
+            && self.reading.is_empty()
+    }
+
+    /// True once this side's CLOSE completed: the peer received it, so the
+    /// runtime may disconnect without the peer mistaking it for a failure.
+    pub fn close_completed(&self) -> bool {
+        self.close == CloseState::Completed
+    }
+
+    /// True while this side's CLOSE is due but cannot go for want of
+    /// credit (the peer's last slot went to a CREDIT) and nothing else is
+    /// outstanding: the runtime disconnects without it, as before CLOSE
+    /// existed.
+    pub fn close_blocked(&self) -> bool {
+        self.close_ready() && self.peer_credit == 0 && self.outstanding.is_empty()
+    }
+
+    /// True once the peer's CLOSE arrived: what arrived before it is
+    /// delivered, then the peer's stream of messages has ended.
+    pub fn peer_closed(&self) -> bool {
+        self.peer_closed
     }
 
     fn reclaim_all(&mut self) {
@@ -1145,7 +1267,7 @@ impl MessageCore {
     /// double (at most up to `recv_depth`). Post them, then call
     /// [`grow_recv`](MessageCore::grow_recv).
     pub fn wants_more_recv(&self) -> u16 {
-        if self.reserved == 0 || self.lost || self.peer_abort.is_some() {
+        if self.reserved == 0 || self.lost || self.peer_abort.is_some() || self.peer_closed {
             return 0;
         }
         let peer = u32::from(self.p.recv_depth).saturating_sub(self.unreturned());
@@ -1195,6 +1317,13 @@ impl MessageCore {
         }
         if let Some((code, sent)) = self.local_abort {
             return (!sent && self.peer_credit >= 1).then_some(Action::Abort(code));
+        }
+        // Nothing follows a CLOSE, ours or the peer's.
+        if self.peer_closed || matches!(self.close, CloseState::Posted | CloseState::Completed) {
+            return None;
+        }
+        if self.close_ready() {
+            return (self.peer_credit >= 1).then_some(Action::Close);
         }
         if let Some(count) = self.credit_due() {
             if self.peer_credit >= 1 {
@@ -1252,14 +1381,15 @@ impl MessageCore {
     /// The next WR to post, or `None` when nothing can go now (call again
     /// after the next event).
     ///
-    /// Order: ABORT (then nothing else); CREDIT once `max(2, recv_depth/4)`
+    /// Order: ABORT (then nothing else); CLOSE once due (then nothing
+    /// else; nothing either after the peer's CLOSE); CREDIT once `max(2, recv_depth/4)`
     /// slots are returnable; DONE (needs 2 credits); READs of rendezvous
     /// with a destination (no credit needed), in RTS order, in chunks of at
     /// most `max_read_len`; then the next queued message, EAGER or RTS
     /// (needs more than [`CONTROL_RESERVE`] credits; an RTS also a free
     /// rendezvous slot; a blocked message blocks those behind it). At most
     /// `send_queue_depth` WRs are outstanding. A WR is signaled every
-    /// `signal_interval`-th time, for ABORT, and when it is the last one
+    /// `signal_interval`-th time, for ABORT and CLOSE, and when it is the last one
     /// that can be posted now.
     pub fn poll_transmit(&mut self) -> Option<MsgTransmit> {
         self.note_stalls();
@@ -1273,6 +1403,12 @@ impl MessageCore {
                 always_signal = true;
                 let imm = MsgImm::Abort { code }.encode();
                 (MsgTransmitKind::Control { imm }, WrKind::Plain)
+            }
+            Action::Close => {
+                self.close = CloseState::Posted;
+                always_signal = true;
+                let imm = MsgImm::Close.encode();
+                (MsgTransmitKind::Control { imm }, WrKind::Close)
             }
             Action::Credit(count) => {
                 self.to_return -= count as u16;
@@ -1405,6 +1541,7 @@ impl MessageCore {
                 WrKind::Plain => {}
                 WrKind::Eager { token } => self.events.push_back(MsgEvent::SendDone { token }),
                 WrKind::Read { seq, len } => self.read_completed(seq, len),
+                WrKind::Close => self.close = CloseState::Completed,
             }
             if done.wr_id == wr_id {
                 break;
@@ -1459,7 +1596,7 @@ impl MessageCore {
     /// # Errors
     ///
     /// In this order: [`MessageError::MessageAfterAbort`];
-    /// [`MessageError::RecvOverrun`]; [`MessageError::UnknownType`] /
+    /// [`MessageError::MessageAfterClose`]; [`MessageError::RecvOverrun`]; [`MessageError::UnknownType`] /
     /// [`MessageError::BadImm`]; for EAGER [`MessageError::EagerTooLong`];
     /// for RTS [`MessageError::BadRtsHeader`],
     /// [`MessageError::BadSequence`], [`MessageError::BadMessageLen`],
@@ -1492,6 +1629,9 @@ impl MessageCore {
     ) -> Result<RecvDisposition, MessageError> {
         if self.peer_abort.is_some() {
             return Err(MessageError::MessageAfterAbort { imm });
+        }
+        if self.peer_closed {
+            return Err(MessageError::MessageAfterClose { imm });
         }
         let consumed = self.unreturned() + 1;
         if consumed > u32::from(self.p.recv_depth) {
@@ -1624,6 +1764,12 @@ impl MessageCore {
                 if !aborted_here {
                     self.reclaim_all();
                 }
+                Ok(RecvDisposition::Release)
+            }
+            MsgImm::Close => {
+                self.peer_closed = true;
+                self.to_return += 1;
+                self.stats.control_received += 1;
                 Ok(RecvDisposition::Release)
             }
         }

@@ -18,7 +18,7 @@ use std::hash::{Hash, Hasher};
 use super::message::{
     CONTROL_RESERVE, Delivery, MAX_IMM_VALUE, MessageCore, MessageError, MessageParams,
     MessageStats, MsgEvent, MsgImm, MsgTransmit, MsgTransmitKind, OutboundMessage, RTS_HEADER_LEN,
-    RecvDisposition, RtsHeader, SendError,
+    RecvDisposition, RtsHeader, SendError, abort_code_reason,
 };
 
 // ----- deterministic randomness ---------------------------------------------
@@ -156,6 +156,8 @@ struct Side {
     reading: bool,
     /// Receive buffers posted beyond the initial ones (growth).
     grown: u64,
+    /// This side posted its CLOSE.
+    close_posted: bool,
 }
 
 const A: usize = 0;
@@ -179,6 +181,7 @@ impl Side {
             allocating: true,
             reading: true,
             grown: 0,
+            close_posted: false,
         }
     }
 
@@ -205,7 +208,27 @@ impl Side {
     }
 
     fn post_one(&mut self) -> Option<MsgTransmit> {
+        let peer_closed = self.core.peer_closed();
         let t = self.core.poll_transmit()?;
+        // Nothing follows a CLOSE, ours or the peer's.
+        assert!(
+            !self.close_posted,
+            "side {} posted {t:?} after its CLOSE",
+            self.id
+        );
+        assert!(
+            !peer_closed,
+            "side {} posted {t:?} after the peer's CLOSE",
+            self.id
+        );
+        if t.kind
+            == (MsgTransmitKind::Control {
+                imm: MsgImm::Close.encode(),
+            })
+        {
+            assert!(t.signaled, "CLOSE is signaled");
+            self.close_posted = true;
+        }
         let p = *self.core.params();
         self.posted += 1;
         assert_eq!(t.wr_id, self.posted, "wr_ids count up from 1");
@@ -233,7 +256,10 @@ impl Side {
                 assert!(
                     matches!(
                         MsgImm::decode(imm),
-                        Ok(MsgImm::Credit { .. } | MsgImm::Done { .. } | MsgImm::Abort { .. })
+                        Ok(MsgImm::Credit { .. }
+                            | MsgImm::Done { .. }
+                            | MsgImm::Abort { .. }
+                            | MsgImm::Close)
                     ),
                     "{t:?}"
                 );
@@ -620,6 +646,8 @@ fn rts_header_and_immediates_have_exact_encodings() {
     assert_eq!(MsgImm::Done { seq: MAX_IMM_VALUE }.encode(), 0x5FFF_FFFF);
     assert_eq!(MsgImm::Credit { count: 3 }.encode(), 0x6000_0003);
     assert_eq!(MsgImm::Abort { code: 7 }.encode(), 0x8000_0007);
+    assert_eq!(MsgImm::Close.encode(), 0xA000_0000);
+    assert_eq!(MsgImm::decode(0xA000_0000), Ok(MsgImm::Close));
     // Every type pattern: decode then encode gives back the bits, or an
     // exact error.
     let mut rng = Rng::new(99);
@@ -629,11 +657,11 @@ fn rts_header_and_immediates_have_exact_encodings() {
             Ok(imm) => assert_eq!(imm.encode(), x),
             Err(MessageError::UnknownType { imm }) => {
                 assert_eq!(imm, x);
-                assert!(x >> 29 >= 0b101);
+                assert!(x >> 29 >= 0b110);
             }
             Err(MessageError::BadImm { imm, .. }) => {
                 assert_eq!(imm, x);
-                assert!(x >> 29 == 0 || x == 0x6000_0000);
+                assert!(x >> 29 == 0 || x >> 29 == 0b101 || x == 0x6000_0000);
             }
             Err(other) => panic!("{other:?}"),
         }
@@ -900,11 +928,31 @@ fn bad_input_each_error_aborts_with_its_code() {
     let rts0 = MsgImm::Rts { seq: 0 }.encode();
     let cases: Vec<(&str, u32, u32, Vec<u8>, MessageError)> = vec![
         (
-            "unknown type",
-            0xA000_0000,
+            "unknown type 110",
+            0xC000_0000,
             0,
             vec![],
-            MessageError::UnknownType { imm: 0xA000_0000 },
+            MessageError::UnknownType { imm: 0xC000_0000 },
+        ),
+        (
+            "CLOSE low bits",
+            0xA000_0001,
+            0,
+            vec![],
+            MessageError::BadImm {
+                imm: 0xA000_0001,
+                reason: "CLOSE with non-zero low 29 bits",
+            },
+        ),
+        (
+            "CLOSE with payload",
+            0xA000_0000,
+            4,
+            vec![0; 4],
+            MessageError::UnexpectedPayload {
+                imm: 0xA000_0000,
+                byte_len: 4,
+            },
         ),
         (
             "unknown type 111",
@@ -1478,7 +1526,15 @@ fn random_schedule_is_deterministic() {
 /// progress on a bounded measure, so the graph is finite and acyclic; at
 /// every state credit is conserved, and every state without a successor is
 /// the complete exchange (every message taken, intact, nothing leaked).
+/// A side in `closers` may also close once it queued all its messages and
+/// took all of the peer's (request/response, then close); then every end
+/// state has its CLOSE completed or the peer's CLOSE received (never one
+/// blocked on credit), and nothing was posted after a CLOSE (`post_one`).
 fn explore(a: Cfg, b: Cfg, msgs: [&[u64]; 2]) -> usize {
+    explore_closing(a, b, msgs, [false, false])
+}
+
+fn explore_closing(a: Cfg, b: Cfg, msgs: [&[u64]; 2], closers: [bool; 2]) -> usize {
     let mut seen: HashSet<u64> = HashSet::new();
     let mut stack = vec![Pair::new(a, b)];
     while let Some(pair) = stack.pop() {
@@ -1509,7 +1565,16 @@ fn explore(a: Cfg, b: Cfg, msgs: [&[u64]; 2]) -> usize {
                 push(next);
             }
             let mut next = pair.clone();
-            if next.s[side].post_one().is_some() {
+            // With closing, a post is the runtime's whole burst (it posts
+            // until `poll_transmit` returns `None` under its lock, so a
+            // CLOSE that arrives cannot cut a burst before its signaled
+            // last WR).
+            let posted = if closers == [false, false] {
+                next.s[side].post_one().is_some()
+            } else {
+                next.s[side].post_all() > 0
+            };
+            if posted {
                 push(next);
             }
             if !me.wire.is_empty() {
@@ -1531,6 +1596,18 @@ fn explore(a: Cfg, b: Cfg, msgs: [&[u64]; 2]) -> usize {
             if next.take(side).is_some() {
                 push(next);
             }
+            let peer = &pair.s[1 - side];
+            if closers[side]
+                && me.lens.len() == msgs[side].len()
+                && me.taken == msgs[1 - side].len() as u64
+                && peer.lens.len() == msgs[1 - side].len()
+            {
+                let mut next = pair.clone();
+                next.s[side].core.close();
+                if next != pair {
+                    push(next);
+                }
+            }
         }
         if successors == 0 {
             // Events were cleared along the way, so check the end state
@@ -1542,6 +1619,13 @@ fn explore(a: Cfg, b: Cfg, msgs: [&[u64]; 2]) -> usize {
                 assert!(me.core.all_sent());
                 assert!(me.bufs.is_empty(), "leak: {pair:#?}");
                 assert!(me.wire.is_empty() && me.completions.is_empty());
+                if closers[side] {
+                    assert!(!me.core.close_blocked(), "{pair:#?}");
+                    assert!(
+                        me.core.close_completed() || me.core.peer_closed(),
+                        "side {side} neither closed nor saw the peer's CLOSE: {pair:#?}"
+                    );
+                }
             }
         }
     }
@@ -1591,6 +1675,233 @@ fn exhaustive_small_configurations_never_deadlock() {
     }
 }
 
+#[test]
+fn exhaustive_closing_after_request_and_response() {
+    let cases: [([&[u64]; 2], [bool; 2], usize); 4] = [
+        // A request and an eager response; the client closes.
+        ([&[1], &[0]], [true, false], 186),
+        // A rendezvous each way; the client closes.
+        ([&[3], &[2]], [true, false], 9622),
+        // Both close, possibly at once.
+        ([&[1], &[3]], [true, true], 2642),
+        // More messages than credits, then the receiver closes.
+        ([&[0, 1, 0, 1, 0, 1], &[]], [false, true], 3974),
+    ];
+    for (msgs, closers, states) in cases {
+        assert_eq!(
+            explore_closing(TINY, TINY, msgs, closers),
+            states,
+            "{msgs:?} {closers:?}"
+        );
+    }
+}
+
+// ----- close ------------------------------------------------------------------------
+
+/// Request and response both ways (eager and rendezvous), then A closes:
+/// its CLOSE waits for everything of its own and of the peer's rendezvous,
+/// is its last WR, signaled, and completes; B delivers every message, then
+/// reports the end, posts nothing more and refuses sends.
+#[test]
+fn close_is_the_last_wr_and_ends_the_peer_after_every_message() {
+    let cfg = Cfg {
+        recv_depth: 8,
+        eager_max: 100,
+        max_read_len: 4096,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    for len in [10, 10_000, 50] {
+        pair.s[A].send(len).unwrap();
+    }
+    for len in [20, 5000] {
+        pair.s[B].send(len).unwrap();
+    }
+    pair.s[A].core.close();
+    assert_eq!(pair.s[A].send(1), Err(SendError::Closed));
+    // Nothing of A's is done yet: the first burst holds no CLOSE.
+    pair.s[A].post_all();
+    assert!(!pair.s[A].close_posted);
+    pair.drive();
+    assert_eq!((pair.s[A].taken, pair.s[B].taken), (2, 3));
+    let last = *pair.s[A].log.last().unwrap();
+    assert_eq!(
+        last.kind,
+        MsgTransmitKind::Control {
+            imm: MsgImm::Close.encode()
+        }
+    );
+    assert!(last.signaled);
+    assert!(pair.s[A].core.close_completed());
+    assert!(!pair.s[A].core.peer_closed());
+    assert!(pair.s[B].core.peer_closed());
+    assert!(!pair.s[B].core.close_completed());
+    assert_eq!(pair.s[B].send(1), Err(SendError::PeerClosed));
+    assert_eq!(pair.s[B].core.poll_transmit(), None);
+    assert_eq!(pair.s[B].core.wants_more_recv(), 0);
+    // CLOSE is a control message: counted on both sides.
+    assert_eq!(
+        pair.s[B].core.stats().control_received,
+        pair.s[A].core.stats().control_sent
+    );
+    pair.assert_done();
+    pair.assert_conservation();
+}
+
+/// A CREDIT due when CLOSE is ready is not sent: a closing side needs no
+/// more messages, and CLOSE takes the credit instead.
+#[test]
+fn close_goes_ahead_of_a_due_credit_and_nothing_follows() {
+    let mut core = lone();
+    let eager = MsgImm::Eager.encode();
+    for token in 1..=2 {
+        assert_eq!(
+            core.on_recv(eager, 10, token, &[0; 10]),
+            Ok(RecvDisposition::Keep)
+        );
+        assert!(core.poll_recv().is_some());
+    }
+    core.close();
+    let t = core.poll_transmit().expect("CLOSE");
+    assert_eq!(
+        t.kind,
+        MsgTransmitKind::Control {
+            imm: MsgImm::Close.encode()
+        }
+    );
+    assert!(t.signaled);
+    assert_eq!(core.peer_credit(), 7);
+    assert_eq!(core.poll_transmit(), None, "no CREDIT after CLOSE");
+    assert!(!core.close_completed());
+    core.on_send_complete(t.wr_id).unwrap();
+    assert!(core.close_completed());
+    assert!(core.all_sent());
+    // The peer may still send what it posted before our CLOSE arrived.
+    assert_eq!(
+        core.on_recv(eager, 10, 3, &[0; 10]),
+        Ok(RecvDisposition::Keep)
+    );
+    assert_eq!(core.poll_transmit(), None);
+}
+
+/// Without a credit left for CLOSE (the last went to a CREDIT) and nothing
+/// else outstanding, the core says so, and the runtime disconnects without
+/// CLOSE; credit arriving first lets CLOSE go after all.
+#[test]
+fn close_without_credit_is_blocked_until_credit_returns() {
+    let mut core = lone();
+    let eager = MsgImm::Eager.encode();
+    // 6 messages take the credit down to the reserve of 2.
+    for token in 0..6 {
+        core.send(OutboundMessage {
+            token,
+            len: 10,
+            addr: 0,
+            rkey: 0,
+        })
+        .unwrap();
+    }
+    let mut last = 0;
+    while let Some(t) = core.poll_transmit() {
+        last = t.wr_id;
+    }
+    assert_eq!(core.peer_credit(), CONTROL_RESERVE);
+    // Two CREDITs of 2 each take it to 0.
+    for round in 0..2u64 {
+        for token in 0..2 {
+            core.on_recv(eager, 10, 100 + 2 * round + token, &[0; 10])
+                .unwrap();
+            assert!(core.poll_recv().is_some());
+        }
+        let t = core.poll_transmit().expect("CREDIT");
+        assert_eq!(
+            t.kind,
+            MsgTransmitKind::Control {
+                imm: MsgImm::Credit { count: 2 }.encode()
+            }
+        );
+        last = t.wr_id;
+    }
+    assert_eq!(core.peer_credit(), 0);
+    core.close();
+    assert!(!core.close_blocked(), "WRs are still outstanding");
+    core.on_send_complete(last).unwrap();
+    assert!(core.close_blocked());
+    assert_eq!(core.poll_transmit(), None);
+    assert!(!core.close_completed());
+    // The peer returns credit: CLOSE goes.
+    core.on_recv(MsgImm::Credit { count: 3 }.encode(), 0, 200, &[])
+        .unwrap();
+    assert!(!core.close_blocked());
+    let t = core.poll_transmit().expect("CLOSE");
+    assert_eq!(
+        t.kind,
+        MsgTransmitKind::Control {
+            imm: MsgImm::Close.encode()
+        }
+    );
+    core.on_send_complete(t.wr_id).unwrap();
+    assert!(core.close_completed());
+}
+
+/// The peer's rendezvous crossing our CLOSE is never read (nothing follows
+/// CLOSE): the peer keeps it outstanding, which its runtime reports as a
+/// reset, as TCP's data sent to a closed socket is.
+#[test]
+fn a_rendezvous_crossing_close_is_not_read() {
+    let cfg = Cfg {
+        recv_depth: 8,
+        eager_max: 100,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    pair.s[A].core.close();
+    assert_eq!(pair.s[A].post_all(), 1);
+    assert!(pair.s[A].close_posted);
+    pair.s[B].send(1000).unwrap();
+    assert_eq!(pair.s[B].post_all(), 1);
+    pair.drive();
+    assert!(pair.s[A].core.close_completed());
+    assert!(pair.s[B].core.peer_closed());
+    assert_eq!(pair.s[A].core.stats().read_wrs, 0);
+    assert_eq!(pair.s[B].core.rendezvous_outstanding(), 1);
+    assert_eq!(pair.s[A].taken, 0);
+}
+
+/// Anything after the peer's CLOSE breaks the protocol.
+#[test]
+fn a_message_after_close_is_a_protocol_error() {
+    let mut core = lone();
+    assert_eq!(
+        core.on_recv(MsgImm::Close.encode(), 0, 1, &[]),
+        Ok(RecvDisposition::Release)
+    );
+    assert!(core.peer_closed());
+    let err = MessageError::MessageAfterClose {
+        imm: MsgImm::Credit { count: 1 }.encode(),
+    };
+    assert_eq!(
+        core.on_recv(MsgImm::Credit { count: 1 }.encode(), 0, 2, &[]),
+        Err(err.clone())
+    );
+    assert_eq!(err.abort_code(), 17);
+    assert_eq!(abort_code_reason(17), "message after close");
+    // Aborted with the error's code, but nothing is sent after the peer's
+    // CLOSE, an ABORT included.
+    assert!(core.is_aborted());
+    assert_eq!(core.local_abort_code(), Some(17));
+    assert_eq!(core.poll_transmit(), None);
+    assert!(core.all_sent());
+    // The same after our own CLOSE: a protocol error then aborts locally.
+    let mut core = lone();
+    core.close();
+    let t = core.poll_transmit().expect("CLOSE");
+    core.abort(5);
+    assert_eq!(core.poll_transmit(), None);
+    core.on_send_complete(t.wr_id).unwrap();
+    assert!(core.all_sent());
+}
+
 // ----- arbitrary peer input ----------------------------------------------------
 
 /// A peer sending arbitrary immediates and payloads: every one is accepted
@@ -1599,7 +1910,7 @@ fn exhaustive_small_configurations_never_deadlock() {
 /// RTS never asks for memory.
 #[test]
 fn arbitrary_peer_input_is_accepted_or_rejected_with_the_right_abort() {
-    let mut rejected = [0u32; 17];
+    let mut rejected = [0u32; 18];
     for seed in 1..=3000 {
         let mut rng = Rng::new(seed);
         let mut core = lone();
@@ -1682,7 +1993,7 @@ fn arbitrary_peer_input_is_accepted_or_rejected_with_the_right_abort() {
     // These kinds of peer error were produced and caught here; the rest
     // (6 BadRtsAddress, 7 RendezvousOverrun, 12 RecvOverrun) need a crafted
     // state and have their own tests above.
-    for code in [1, 2, 3, 4, 5, 8, 9, 10, 11, 13] {
+    for code in [1, 2, 3, 4, 5, 8, 9, 10, 11, 13, 17] {
         assert!(
             rejected[code] > 0,
             "no error with abort code {code}: {rejected:?}"
