@@ -1677,7 +1677,9 @@ fn exhaustive_small_configurations_never_deadlock() {
 
 #[test]
 fn exhaustive_closing_after_request_and_response() {
-    let cases: [([&[u64]; 2], [bool; 2], usize); 4] = [
+    /// Messages of each side, which sides close, states explored.
+    type Case = ([&'static [u64]; 2], [bool; 2], usize);
+    let cases: [Case; 4] = [
         // A request and an eager response; the client closes.
         ([&[1], &[0]], [true, false], 186),
         // A rendezvous each way; the client closes.
