@@ -281,6 +281,10 @@ fn hello_bytes(magic: u32, version: u16) -> Vec<u8> {
     h
 }
 
+/// The wire protocol version this build speaks (`proto::handshake::VERSION`,
+/// crate-private): 4 since the message endpoint's CLOSE.
+const PROTOCOL_VERSION: u16 = 4;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
     let l = bind(&RdmaConfig::default()).await;
@@ -296,8 +300,9 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
             RejectReason::UnsupportedVersion,
         ),
         (
-            // rdma_cm pads it to 56 zero bytes: a v3 hello whose ring is 0.
-            hello_bytes(0x544B_5244, 3)[..10].to_vec(),
+            // rdma_cm pads it to 56 zero bytes: a current hello whose ring
+            // is 0.
+            hello_bytes(0x544B_5244, PROTOCOL_VERSION)[..10].to_vec(),
             RejectReason::Malformed,
         ),
     ];
@@ -309,7 +314,10 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
                 ..
             }) => {
                 assert_eq!(reason, want);
-                assert_eq!(server_version, 3, "the protocol version this build speaks");
+                assert_eq!(
+                    server_version, PROTOCOL_VERSION,
+                    "the protocol version this build speaks"
+                );
             }
             other => panic!("expected a reject with {want:?}, got {other:?}"),
         }
