@@ -18,7 +18,7 @@ use std::sync::MutexGuard;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tracing::{debug, warn};
 
 use crate::config::RdmaConfig;
@@ -125,17 +125,23 @@ impl StreamState {
             let Some((off, len)) = self.ring_pending.pop_front() else {
                 break;
             };
-            let mut buf = BytesMut::zeroed(len as usize);
-            if let Err(source) = ring_read(&self.qp, off as usize, &mut buf) {
-                self.fail(Error::Verbs {
-                    op: "receive ring copy",
-                    source,
-                });
-                return;
-            }
+            let copied = match self.qp.recv_ring() {
+                Some(ring) => ring.read_to_vec(off as usize, len as usize),
+                None => Err(io::Error::other("a stream QP without its ring")),
+            };
+            let buf = match copied {
+                Ok(buf) => buf,
+                Err(source) => {
+                    self.fail(Error::Verbs {
+                        op: "receive ring copy",
+                        source,
+                    });
+                    return;
+                }
+            };
             self.core.consume(len as usize);
             self.backlog_len += len as usize;
-            self.backlog.push_back(buf.freeze());
+            self.backlog.push_back(Bytes::from(buf));
         }
     }
 
@@ -211,7 +217,11 @@ impl StreamState {
             || self.peer_gone
     }
 
-    fn progress_with(&mut self, scratch: &mut Vec<Completion>) {
+    /// Polls the CQ and does the follow-up work; `drain` moves arrived
+    /// ring bytes into the backlog (the driver's receive progress). A task
+    /// about to read passes `false`: it copies them out of the ring into
+    /// its own buffer itself, one copy instead of two.
+    fn progress_with(&mut self, scratch: &mut Vec<Completion>, drain: bool) {
         scratch.clear();
         if let Err(e) = self.qp.poll(scratch) {
             self.fail(e);
@@ -226,7 +236,9 @@ impl StreamState {
                 self.fail(e);
             }
         }
-        self.drain_ring();
+        if drain {
+            self.drain_ring();
+        }
         if self.error.is_none() {
             self.transmit();
         }
@@ -250,7 +262,7 @@ impl Driven for StreamState {
 
     fn progress(&mut self) {
         let mut scratch = std::mem::take(&mut self.scratch);
-        self.progress_with(&mut scratch);
+        self.progress_with(&mut scratch, true);
         self.scratch = scratch;
     }
 
@@ -296,6 +308,17 @@ impl Driven for StreamState {
     }
 }
 
+impl StreamState {
+    /// Progress for a task about to read: arrived bytes stay in the ring
+    /// for it to copy straight into its buffer (the driver, which runs on
+    /// every completion event too, drains what the reader leaves).
+    fn progress_reading(&mut self) {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        self.progress_with(&mut scratch, false);
+        self.scratch = scratch;
+    }
+}
+
 impl Conn {
     /// With nothing to read: poll the CQ ourselves (spinning up to the
     /// busy-poll budget), and register this task for the CQ's next event
@@ -306,7 +329,7 @@ impl Conn {
         mut st: MutexGuard<'a, StreamState>,
         cx: &mut Context<'_>,
     ) -> MutexGuard<'a, StreamState> {
-        st.progress();
+        st.progress_reading();
         if !st.busy_poll.is_zero() && !st.read_ready() {
             let start = Instant::now();
             let budget = st.busy_poll;
@@ -314,12 +337,17 @@ impl Conn {
                 drop(st);
                 std::hint::spin_loop();
                 st = self.lock();
-                st.progress();
+                st.progress_reading();
             }
         }
         let events = st.qp.cq_events();
         while !st.read_ready() {
-            st.progress_and_arm();
+            // Drain, arm, drain again (edge-triggered events).
+            st.progress_reading();
+            if let Err(e) = st.qp.arm() {
+                st.fail(e);
+            }
+            st.progress_reading();
             if st.read_ready() {
                 break;
             }

@@ -375,6 +375,25 @@ impl RegisteredBuffer {
         };
         Ok(())
     }
+
+    /// Copies `len` bytes at `offset` out of the buffer into a new vector,
+    /// without first zeroing it (as `read_at` into `vec![0; len]` would).
+    pub(crate) fn read_to_vec(&self, offset: usize, len: usize) -> io::Result<Vec<u8>> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len()) {
+            return Err(io::Error::other("registered buffer read out of range"));
+        }
+        let mut out = Vec::with_capacity(len);
+        // SAFETY: the source range is in the buffer (checked above) and the
+        // protocol core guarantees the peer does not write it (it holds
+        // delivered, unreturned data); `out` has capacity for `len` bytes
+        // and cannot alias our private heap block. The `len` bytes are
+        // initialized by the copy before `set_len` exposes them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), len);
+            out.set_len(len);
+        }
+        Ok(out)
+    }
 }
 
 impl Drop for RegisteredBuffer {
