@@ -127,12 +127,24 @@ pub(crate) trait Driven: Send + 'static {
     /// Drain, arm, drain again: the completion channel is edge triggered, so
     /// a completion that lands between the drain and the arm would otherwise
     /// never raise an event.
-    fn progress_and_arm(&mut self) {
-        self.progress();
+    fn progress_and_arm(&mut self)
+    where
+        Self: Sized,
+    {
+        self.progress_and_arm_with(Self::progress);
+    }
+
+    /// [`progress_and_arm`](Self::progress_and_arm) with another way to
+    /// drain (a stream reader's, which leaves arrived bytes in the ring).
+    fn progress_and_arm_with(&mut self, progress: fn(&mut Self))
+    where
+        Self: Sized,
+    {
+        progress(self);
         if let Err(e) = self.qp().arm() {
             self.fail(e);
         }
-        self.progress();
+        progress(self);
     }
 }
 

@@ -99,6 +99,12 @@ impl MsgState {
         self.flushers.wake_all();
     }
 
+    /// Nothing of ours is left for the peer to take and nothing of its own
+    /// is half-received: the peer going now is a clean close.
+    fn nothing_half_done(&self) -> bool {
+        self.qp.sends_not_taken() == 0 && self.core.incomplete_recv() == 0
+    }
+
     fn dead(&self) -> bool {
         self.error.is_some() || self.peer_closed || self.closing
     }
@@ -157,21 +163,15 @@ impl MsgState {
             } else {
                 self.qp.send_completed(wc.wr_id);
                 if wc.status != WC_WR_FLUSH_ERR {
-                    // The first failure is the oldest WR not acknowledged
-                    // (RC completes in order): every WR before it, signaled
-                    // or not, was taken by the peer. An unknown id means
-                    // none was outstanding before it.
-                    let _ = self.core.on_send_complete(wc.wr_id.wrapping_sub(1));
+                    // Every WR before the first failure was taken.
+                    self.core.on_send_failed(wc.wr_id);
                     self.handle_events();
                 }
             }
             if wc.status == WC_WR_FLUSH_ERR && self.dead() {
                 return;
             }
-            if self.core.peer_closed()
-                && self.qp.sends_not_taken() == 0
-                && self.core.incomplete_recv() == 0
-            {
+            if self.core.peer_closed() && self.nothing_half_done() {
                 // The peer closed (its CLOSE arrived, and it disconnects
                 // once that completed) with nothing of ours left untaken:
                 // a WR of ours posted before the CLOSE arrived (a CREDIT)
@@ -485,7 +485,7 @@ impl Driven for MsgState {
         // closed cleanly (the memory stays held until the invalidation
         // completes or the QP is destroyed). Our own control WRs still in
         // flight (a DONE just posted) do not matter either.
-        let clean = self.qp.sends_not_taken() == 0 && self.core.incomplete_recv() == 0;
+        let clean = self.nothing_half_done();
         self.qp.as_mut().set_error();
         if clean {
             self.peer_closed = true;

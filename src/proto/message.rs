@@ -1153,10 +1153,7 @@ impl MessageCore {
             return;
         }
         // Nothing follows a CLOSE, ours or the peer's: the abort is local.
-        let sent = self.peer_abort.is_some()
-            || self.lost
-            || self.peer_closed
-            || matches!(self.close, CloseState::Posted | CloseState::Completed);
+        let sent = self.peer_abort.is_some() || self.lost || self.any_close_sent();
         self.local_abort = Some((code & MAX_IMM_VALUE, sent));
         self.reclaim_all();
     }
@@ -1182,6 +1179,11 @@ impl MessageCore {
         if self.close == CloseState::Open {
             self.close = CloseState::Wanted;
         }
+    }
+
+    /// A CLOSE was posted, ours or the peer's: nothing may follow it.
+    fn any_close_sent(&self) -> bool {
+        self.peer_closed || matches!(self.close, CloseState::Posted | CloseState::Completed)
     }
 
     /// Everything of ours is done and CLOSE may go (credit permitting).
@@ -1318,8 +1320,7 @@ impl MessageCore {
         if let Some((code, sent)) = self.local_abort {
             return (!sent && self.peer_credit >= 1).then_some(Action::Abort(code));
         }
-        // Nothing follows a CLOSE, ours or the peer's.
-        if self.peer_closed || matches!(self.close, CloseState::Posted | CloseState::Completed) {
+        if self.any_close_sent() {
             return None;
         }
         if self.close_ready() {
@@ -1536,18 +1537,36 @@ impl MessageCore {
                 outstanding: Some((first, last)),
             });
         }
-        while let Some(done) = self.outstanding.pop_front() {
+        self.complete_through(wr_id);
+        Ok(())
+    }
+
+    /// Send-queue WR `wr_id` failed (an error status other than a flush):
+    /// it was the oldest WR not acknowledged (RC completes in order), so
+    /// every WR posted before it, signaled or not, completed successfully
+    /// and is handled as [`on_send_complete`](MessageCore::on_send_complete)
+    /// would. The failed WR and those after it stay outstanding (the
+    /// runtime then loses the connection, or after the peer's CLOSE ends
+    /// it). Nothing happens if no earlier WR is outstanding.
+    pub fn on_send_failed(&mut self, wr_id: u64) {
+        if let Some(before) = wr_id.checked_sub(1) {
+            self.complete_through(before);
+        }
+    }
+
+    /// Completes every outstanding WR up to and including `wr_id`.
+    fn complete_through(&mut self, wr_id: u64) {
+        while self.outstanding.front().is_some_and(|o| o.wr_id <= wr_id) {
+            let Some(done) = self.outstanding.pop_front() else {
+                break;
+            };
             match done.kind {
                 WrKind::Plain => {}
                 WrKind::Eager { token } => self.events.push_back(MsgEvent::SendDone { token }),
                 WrKind::Read { seq, len } => self.read_completed(seq, len),
                 WrKind::Close => self.close = CloseState::Completed,
             }
-            if done.wr_id == wr_id {
-                break;
-            }
         }
-        Ok(())
     }
 
     fn read_completed(&mut self, seq: u64, len: u32) {

@@ -221,11 +221,7 @@ impl Side {
             "side {} posted {t:?} after the peer's CLOSE",
             self.id
         );
-        if t.kind
-            == (MsgTransmitKind::Control {
-                imm: MsgImm::Close.encode(),
-            })
-        {
+        if t.kind == close_wr() {
             assert!(t.signaled, "CLOSE is signaled");
             self.close_posted = true;
         }
@@ -885,6 +881,33 @@ fn lone() -> MessageCore {
     MessageCore::new(params(cfg, cfg)).unwrap()
 }
 
+/// Queues a message of `len` bytes in buffer `token` on `core`.
+fn send_msg(core: &mut MessageCore, token: u64, len: u64) {
+    core.send(OutboundMessage {
+        token,
+        len,
+        addr: 0,
+        rkey: 1,
+    })
+    .unwrap()
+}
+
+/// A 10-byte EAGER message arrives in receive buffer `token`; the core
+/// keeps the buffer for it.
+fn recv_eager(core: &mut MessageCore, token: u64) {
+    assert_eq!(
+        core.on_recv(MsgImm::Eager.encode(), 10, token, &[0; 10]),
+        Ok(RecvDisposition::Keep)
+    );
+}
+
+/// The WR of a CLOSE.
+fn close_wr() -> MsgTransmitKind {
+    MsgTransmitKind::Control {
+        imm: MsgImm::Close.encode(),
+    }
+}
+
 /// `core` rejected input with `err`: it is aborted with the error's code,
 /// queues exactly that ABORT, and never allocated anything.
 fn assert_aborted_with(core: &mut MessageCore, err: &MessageError) {
@@ -1093,18 +1116,9 @@ fn bad_input_each_error_aborts_with_its_code() {
 
 #[test]
 fn bad_input_needing_state() {
-    let send = |core: &mut MessageCore, token, len| {
-        core.send(OutboundMessage {
-            token,
-            len,
-            addr: 0,
-            rkey: 1,
-        })
-        .unwrap()
-    };
     // A DONE with the wrong sequence number.
     let mut core = lone();
-    send(&mut core, 1, 100_000);
+    send_msg(&mut core, 1, 100_000);
     assert!(matches!(
         core.poll_transmit().unwrap().kind,
         MsgTransmitKind::Rts { .. }
@@ -1182,7 +1196,7 @@ fn bad_input_needing_state() {
             outstanding: None
         })
     );
-    send(&mut core, 1, 10);
+    send_msg(&mut core, 1, 10);
     let t = core.poll_transmit().unwrap();
     assert_eq!(
         core.on_send_complete(t.wr_id + 1),
@@ -1727,12 +1741,7 @@ fn close_is_the_last_wr_and_ends_the_peer_after_every_message() {
     pair.drive();
     assert_eq!((pair.s[A].taken, pair.s[B].taken), (2, 3));
     let last = *pair.s[A].log.last().unwrap();
-    assert_eq!(
-        last.kind,
-        MsgTransmitKind::Control {
-            imm: MsgImm::Close.encode()
-        }
-    );
+    assert_eq!(last.kind, close_wr());
     assert!(last.signaled);
     assert!(pair.s[A].core.close_completed());
     assert!(!pair.s[A].core.peer_closed());
@@ -1755,22 +1764,13 @@ fn close_is_the_last_wr_and_ends_the_peer_after_every_message() {
 #[test]
 fn close_goes_ahead_of_a_due_credit_and_nothing_follows() {
     let mut core = lone();
-    let eager = MsgImm::Eager.encode();
     for token in 1..=2 {
-        assert_eq!(
-            core.on_recv(eager, 10, token, &[0; 10]),
-            Ok(RecvDisposition::Keep)
-        );
+        recv_eager(&mut core, token);
         assert!(core.poll_recv().is_some());
     }
     core.close();
     let t = core.poll_transmit().expect("CLOSE");
-    assert_eq!(
-        t.kind,
-        MsgTransmitKind::Control {
-            imm: MsgImm::Close.encode()
-        }
-    );
+    assert_eq!(t.kind, close_wr());
     assert!(t.signaled);
     assert_eq!(core.peer_credit(), 7);
     assert_eq!(core.poll_transmit(), None, "no CREDIT after CLOSE");
@@ -1779,10 +1779,7 @@ fn close_goes_ahead_of_a_due_credit_and_nothing_follows() {
     assert!(core.close_completed());
     assert!(core.all_sent());
     // The peer may still send what it posted before our CLOSE arrived.
-    assert_eq!(
-        core.on_recv(eager, 10, 3, &[0; 10]),
-        Ok(RecvDisposition::Keep)
-    );
+    recv_eager(&mut core, 3);
     assert_eq!(core.poll_transmit(), None);
 }
 
@@ -1792,16 +1789,9 @@ fn close_goes_ahead_of_a_due_credit_and_nothing_follows() {
 #[test]
 fn close_without_credit_is_blocked_until_credit_returns() {
     let mut core = lone();
-    let eager = MsgImm::Eager.encode();
     // 6 messages take the credit down to the reserve of 2.
     for token in 0..6 {
-        core.send(OutboundMessage {
-            token,
-            len: 10,
-            addr: 0,
-            rkey: 0,
-        })
-        .unwrap();
+        send_msg(&mut core, token, 10);
     }
     let mut last = 0;
     while let Some(t) = core.poll_transmit() {
@@ -1811,8 +1801,7 @@ fn close_without_credit_is_blocked_until_credit_returns() {
     // Two CREDITs of 2 each take it to 0.
     for round in 0..2u64 {
         for token in 0..2 {
-            core.on_recv(eager, 10, 100 + 2 * round + token, &[0; 10])
-                .unwrap();
+            recv_eager(&mut core, 100 + 2 * round + token);
             assert!(core.poll_recv().is_some());
         }
         let t = core.poll_transmit().expect("CREDIT");
@@ -1836,14 +1825,34 @@ fn close_without_credit_is_blocked_until_credit_returns() {
         .unwrap();
     assert!(!core.close_blocked());
     let t = core.poll_transmit().expect("CLOSE");
-    assert_eq!(
-        t.kind,
-        MsgTransmitKind::Control {
-            imm: MsgImm::Close.encode()
-        }
-    );
+    assert_eq!(t.kind, close_wr());
     core.on_send_complete(t.wr_id).unwrap();
     assert!(core.close_completed());
+}
+
+/// A failed WR was the oldest one not acknowledged: every WR before it
+/// completed (their EAGER buffers come back), it and the later ones stay
+/// outstanding; a failure of the oldest WR completes nothing.
+#[test]
+fn a_failed_wr_completes_every_earlier_one() {
+    let mut core = lone();
+    for token in 0..4 {
+        send_msg(&mut core, token, 10);
+    }
+    let ids: Vec<u64> = std::iter::from_fn(|| core.poll_transmit().map(|t| t.wr_id)).collect();
+    assert_eq!(ids, [1, 2, 3, 4]);
+    core.on_send_failed(1);
+    assert_eq!(core.outstanding_wrs(), 4);
+    assert_eq!(core.poll_event(), None);
+    core.on_send_failed(3);
+    assert_eq!(core.outstanding_wrs(), 2);
+    assert_eq!(core.poll_event(), Some(MsgEvent::SendDone { token: 0 }));
+    assert_eq!(core.poll_event(), Some(MsgEvent::SendDone { token: 1 }));
+    assert_eq!(core.poll_event(), None);
+    // Nothing outstanding before a later failure's id: nothing changes.
+    core.on_send_failed(3);
+    assert_eq!(core.outstanding_wrs(), 2);
+    assert_eq!(core.poll_event(), None);
 }
 
 /// The peer's rendezvous crossing our CLOSE is never read (nothing follows
@@ -2009,10 +2018,7 @@ fn credit_never_returns_slots_without_a_posted_buffer() {
     let mut core = lone();
     let eager = MsgImm::Eager.encode();
     for token in 1..=4 {
-        assert_eq!(
-            core.on_recv(eager, 10, token, &[0; 10]),
-            Ok(RecvDisposition::Keep)
-        );
+        recv_eager(&mut core, token);
     }
     for token in 1..=4 {
         assert_eq!(

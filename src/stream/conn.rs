@@ -29,7 +29,8 @@ use crate::proto::stream::{RecvEvent, StreamCore, Transmit, TransmitKind};
 use crate::proto::{ProtocolError, WriteError};
 use crate::stats::{ConnectionStats, RemoteAccess};
 use crate::verbs::rc::{
-    Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RcQueuePair, RingIsolation, WcKind,
+    Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RcQueuePair, RegisteredBuffer,
+    RingIsolation, WcKind,
 };
 
 /// `ibv_wc_status` values the stream distinguishes.
@@ -125,20 +126,17 @@ impl StreamState {
             let Some((off, len)) = self.ring_pending.pop_front() else {
                 break;
             };
-            let copied = match self.qp.recv_ring() {
-                Some(ring) => ring.read_to_vec(off as usize, len as usize),
-                None => Err(io::Error::other("a stream QP without its ring")),
-            };
-            let buf = match copied {
-                Ok(buf) => buf,
-                Err(source) => {
-                    self.fail(Error::Verbs {
-                        op: "receive ring copy",
-                        source,
-                    });
-                    return;
-                }
-            };
+            let buf =
+                match recv_ring(&self.qp).and_then(|r| r.read_to_vec(off as usize, len as usize)) {
+                    Ok(buf) => buf,
+                    Err(source) => {
+                        self.fail(Error::Verbs {
+                            op: "receive ring copy",
+                            source,
+                        });
+                        return;
+                    }
+                };
             self.core.consume(len as usize);
             self.backlog_len += len as usize;
             self.backlog.push_back(Bytes::from(buf));
@@ -215,6 +213,15 @@ impl StreamState {
             || self.core.readable_eof()
             || self.error.is_some()
             || self.peer_gone
+    }
+
+    /// Progress for a task about to read: arrived bytes stay in the ring
+    /// for it to copy straight into its buffer (the driver, which runs on
+    /// every completion event too, drains what the reader leaves).
+    fn progress_reading(&mut self) {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        self.progress_with(&mut scratch, false);
+        self.scratch = scratch;
     }
 
     /// Polls the CQ and does the follow-up work; `drain` moves arrived
@@ -308,17 +315,6 @@ impl Driven for StreamState {
     }
 }
 
-impl StreamState {
-    /// Progress for a task about to read: arrived bytes stay in the ring
-    /// for it to copy straight into its buffer (the driver, which runs on
-    /// every completion event too, drains what the reader leaves).
-    fn progress_reading(&mut self) {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        self.progress_with(&mut scratch, false);
-        self.scratch = scratch;
-    }
-}
-
 impl Conn {
     /// With nothing to read: poll the CQ ourselves (spinning up to the
     /// busy-poll budget), and register this task for the CQ's next event
@@ -342,12 +338,7 @@ impl Conn {
         }
         let events = st.qp.cq_events();
         while !st.read_ready() {
-            // Drain, arm, drain again (edge-triggered events).
-            st.progress_reading();
-            if let Err(e) = st.qp.arm() {
-                st.fail(e);
-            }
-            st.progress_reading();
+            st.progress_and_arm_with(StreamState::progress_reading);
             if st.read_ready() {
                 break;
             }
@@ -399,7 +390,9 @@ impl Conn {
             };
             let n = (len as usize).min(buf.remaining());
             let dst = buf.initialize_unfilled_to(n);
-            if let Err(source) = ring_read(&st.qp, off as usize, &mut dst[..n]) {
+            if let Err(source) =
+                recv_ring(&st.qp).and_then(|r| r.read_at(off as usize, &mut dst[..n]))
+            {
                 return Poll::Ready(Err(Error::Verbs {
                     op: "receive ring copy",
                     source,
@@ -585,12 +578,10 @@ impl Conn {
     }
 }
 
-/// Copies ring bytes at `off` out of a stream QP's receive ring.
-fn ring_read(qp: &RcQueuePair, off: usize, dst: &mut [u8]) -> std::io::Result<()> {
-    match qp.recv_ring() {
-        Some(ring) => ring.read_at(off, dst),
-        None => Err(std::io::Error::other("a stream QP without its ring")),
-    }
+/// A stream QP's receive ring (every stream QP has one).
+fn recv_ring(qp: &RcQueuePair) -> std::io::Result<&RegisteredBuffer> {
+    qp.recv_ring()
+        .ok_or_else(|| std::io::Error::other("a stream QP without its ring"))
 }
 
 /// Our half of the handshake for a stream QP.
