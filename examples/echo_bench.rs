@@ -33,7 +33,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use hdrhistogram::Histogram;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio_rdma::transport::{Listener, Stream, TransportAddr};
-use tokio_rdma::{MessageEndpoint, MessageListener, RdmaConfig};
+use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, RdmaConfig, WaitStrategy};
 
 #[path = "shared/perftest.rs"]
 mod perftest;
@@ -65,9 +65,11 @@ enum Cmd {
         addr: TransportAddr,
         #[arg(long, value_enum, default_value = "current")]
         runtime: Flavor,
-        /// RdmaConfig::busy_poll budget, microseconds (0: park at once).
-        #[arg(long, default_value_t = 0)]
-        busy_poll_us: u64,
+        /// How a reader waits (RdmaConfig::wait_strategy): `adaptive` (the
+        /// default, 50 us limit), `adaptive:US`, `spin:US` (a fixed
+        /// busy-poll budget) or `park`.
+        #[arg(long, default_value = "adaptive")]
+        wait: Wait,
         /// RdmaConfig::ring_size, bytes.
         #[arg(long, default_value_t = 65536)]
         ring_size: u32,
@@ -95,8 +97,9 @@ enum Cmd {
         warmup: u64,
         #[arg(long, value_enum, default_value = "current")]
         runtime: Flavor,
-        #[arg(long, default_value_t = 0)]
-        busy_poll_us: u64,
+        /// How a reader waits, as for the server.
+        #[arg(long, default_value = "adaptive")]
+        wait: Wait,
         /// RdmaConfig::ring_size, bytes.
         #[arg(long, default_value_t = 65536)]
         ring_size: u32,
@@ -153,9 +156,36 @@ fn runtime(flavor: Flavor) -> tokio::runtime::Runtime {
     .expect("tokio runtime")
 }
 
-fn config(busy_poll_us: u64, ring_size: u32, share_cq: bool) -> RdmaConfig {
+/// A `--wait` value: `park`, `spin:US`, `adaptive` or `adaptive:US`.
+#[derive(Clone, Copy, Debug)]
+struct Wait(WaitStrategy);
+
+impl std::str::FromStr for Wait {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let us = |v: &str| {
+            v.parse::<u64>()
+                .map(Duration::from_micros)
+                .map_err(|e| format!("{v}: {e}"))
+        };
+        Ok(Wait(match s.split_once(':') {
+            None if s == "park" => WaitStrategy::Park,
+            None if s == "adaptive" => WaitStrategy::default(),
+            Some(("spin", v)) => WaitStrategy::Spin(us(v)?),
+            Some(("adaptive", v)) => WaitStrategy::Adaptive { max: us(v)? },
+            _ => {
+                return Err(format!(
+                    "{s}: expected park, spin:US, adaptive or adaptive:US"
+                ));
+            }
+        }))
+    }
+}
+
+fn config(wait: Wait, ring_size: u32, share_cq: bool) -> RdmaConfig {
     RdmaConfig::new()
-        .busy_poll(Duration::from_micros(busy_poll_us))
+        .wait_strategy(wait.0)
         .ring_size(ring_size)
         .share_completion_queue(share_cq)
 }
@@ -201,8 +231,9 @@ async fn serve(addr: TransportAddr, cfg: RdmaConfig) -> std::io::Result<()> {
 
 /// Echoes every message of every endpoint (the received buffer itself)
 /// until the peer closes; prints what [`serve`] prints.
-async fn serve_messages(addr: TransportAddr) -> std::io::Result<()> {
-    let listener = MessageListener::bind(addr.host_port()).await?;
+async fn serve_messages(addr: TransportAddr, cfg: RdmaConfig) -> std::io::Result<()> {
+    let cfg = MessageConfig::new().connection(cfg);
+    let listener = MessageListener::bind_with(addr.host_port(), &cfg).await?;
     println!("listening {}", listener.local_addr()?.port());
     loop {
         let (ep, _) = listener.accept().await?;
@@ -235,12 +266,14 @@ struct Run {
 /// flight; each response goes back as the next request (no copy, no fill).
 async fn closed_loop_messages(
     addr: TransportAddr,
+    cfg: RdmaConfig,
     size: usize,
     in_flight: usize,
     requests: u64,
     warmup: u64,
 ) -> std::io::Result<Run> {
-    let ep = MessageEndpoint::connect(addr.host_port()).await?;
+    let ep = MessageEndpoint::connect_with(addr.host_port(), &MessageConfig::new().connection(cfg))
+        .await?;
     let total = warmup + requests;
     let mut hist = Histogram::<u64>::new(3).expect("histogram");
     let mut sent = VecDeque::with_capacity(in_flight);
@@ -384,16 +417,17 @@ fn main() -> std::process::ExitCode {
         Cmd::Server {
             addr,
             runtime: flavor,
-            busy_poll_us,
+            wait,
             ring_size,
             share_cq,
             message,
         } => {
             let rt = runtime(flavor);
+            let cfg = config(wait, ring_size, share_cq);
             let served = if message {
-                rt.block_on(serve_messages(addr))
+                rt.block_on(serve_messages(addr, cfg))
             } else {
-                rt.block_on(serve(addr, config(busy_poll_us, ring_size, share_cq)))
+                rt.block_on(serve(addr, cfg))
             };
             if let Err(e) = served {
                 eprintln!("echo_bench server: {e}");
@@ -407,16 +441,16 @@ fn main() -> std::process::ExitCode {
             requests,
             warmup,
             runtime: flavor,
-            busy_poll_us,
+            wait,
             ring_size,
             share_cq,
             message,
         } => {
-            let cfg = config(busy_poll_us, ring_size, share_cq);
+            let cfg = config(wait, ring_size, share_cq);
             let rt = runtime(flavor);
             let run = if message {
                 rt.block_on(closed_loop_messages(
-                    addr, size, in_flight, requests, warmup,
+                    addr, cfg, size, in_flight, requests, warmup,
                 ))
             } else {
                 rt.block_on(closed_loop(addr, cfg, size, in_flight, requests, warmup))
@@ -467,7 +501,8 @@ struct Case {
     size: usize,
     in_flight: usize,
     runtime: Flavor,
-    busy_poll_us: u64,
+    /// The `--wait` value of both processes.
+    wait: &'static str,
     ring: u32,
     /// Over a MessageEndpoint (`--message`, rdma:// only) instead of a stream.
     message: bool,
@@ -517,7 +552,9 @@ fn syscalls(summary: &str) -> f64 {
 /// The port of the long-running server for `c` on another host: 7701
 /// rdma current_thread, 7702 rdma multi-thread, 7703 rdma busy_poll 200 us,
 /// 7704 tcp, 7705 rdma current_thread with a 1 MiB ring, 7706 message
-/// endpoints (current_thread).
+/// endpoints (current_thread), 7708 and 7709 rdma current_thread and
+/// multi-thread parking at once (7707 is the message bulk server of
+/// `integration/bench-pair-guest`); the others wait the default way.
 fn remote_port(c: &Case) -> u16 {
     if c.ring != 65536 {
         return 7705;
@@ -525,10 +562,12 @@ fn remote_port(c: &Case) -> u16 {
     if c.message {
         return 7706;
     }
-    match (c.scheme, c.runtime, c.busy_poll_us) {
+    match (c.scheme, c.runtime, c.wait) {
         ("tcp", _, _) => 7704,
+        (_, Flavor::Current, "park") => 7708,
+        (_, Flavor::Multi, "park") => 7709,
         (_, Flavor::Multi, _) => 7702,
-        (_, _, 0) => 7701,
+        (_, _, "adaptive") => 7701,
         _ => 7703,
     }
 }
@@ -577,8 +616,8 @@ async fn run_client(
             &warmup_for(requests).to_string(),
             "--runtime",
             flavor_arg(c.runtime),
-            "--busy-poll-us",
-            &c.busy_poll_us.to_string(),
+            "--wait",
+            c.wait,
             "--ring-size",
             &c.ring.to_string(),
         ])
@@ -647,8 +686,8 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
             &format!("{}://{ip}:0", c.scheme),
             "--runtime",
             flavor_arg(c.runtime),
-            "--busy-poll-us",
-            &c.busy_poll_us.to_string(),
+            "--wait",
+            c.wait,
             "--ring-size",
             &c.ring.to_string(),
         ])
@@ -723,33 +762,49 @@ async fn suite(
             server_ip.unwrap_or(ip)
         );
     }
-    let case = |name, scheme, size, in_flight, runtime, busy_poll_us| Case {
+    let case = |name, scheme, size, in_flight, runtime, wait| Case {
         name,
         scheme,
         size,
         in_flight,
         runtime,
-        busy_poll_us,
+        wait,
         ring: 65536,
         message: false,
     };
     use Flavor::{Current, Multi};
     let latency = [
         case(
-            "RdmaStream, current_thread, parked",
+            "RdmaStream, current_thread (default wait)",
             "rdma",
             64,
             1,
             Current,
-            0,
+            "adaptive",
         ),
         case(
-            "RdmaStream, multi-thread (2), parked",
+            "RdmaStream, current_thread, park at once",
+            "rdma",
+            64,
+            1,
+            Current,
+            "park",
+        ),
+        case(
+            "RdmaStream, multi-thread (2) (default wait)",
             "rdma",
             64,
             1,
             Multi,
-            0,
+            "adaptive",
+        ),
+        case(
+            "RdmaStream, multi-thread (2), park at once",
+            "rdma",
+            64,
+            1,
+            Multi,
+            "park",
         ),
         case(
             "RdmaStream, current_thread, busy_poll 200 us",
@@ -757,20 +812,20 @@ async fn suite(
             64,
             1,
             Current,
-            200,
+            "spin:200",
         ),
         Case {
             message: true,
             ..case(
-                "MessageEndpoint, current_thread, parked",
+                "MessageEndpoint, current_thread",
                 "rdma",
                 64,
                 1,
                 Current,
-                0,
+                "adaptive",
             )
         },
-        case("TCP, current_thread", "tcp", 64, 1, Current, 0),
+        case("TCP, current_thread", "tcp", 64, 1, Current, "adaptive"),
     ];
     let mut bulk = vec![
         case(
@@ -779,16 +834,23 @@ async fn suite(
             8192,
             8,
             Current,
-            0,
+            "adaptive",
         ),
-        case("TCP 8 KiB x 8, current_thread", "tcp", 8192, 8, Current, 0),
+        case(
+            "TCP 8 KiB x 8, current_thread",
+            "tcp",
+            8192,
+            8,
+            Current,
+            "adaptive",
+        ),
         case(
             "RdmaStream 64 KiB x 8, current_thread",
             "rdma",
             65536,
             8,
             Current,
-            0,
+            "adaptive",
         ),
         case(
             "TCP 64 KiB x 8, current_thread",
@@ -796,7 +858,7 @@ async fn suite(
             65536,
             8,
             Current,
-            0,
+            "adaptive",
         ),
         Case {
             message: true,
@@ -806,7 +868,7 @@ async fn suite(
                 65536,
                 8,
                 Current,
-                0,
+                "adaptive",
             )
         },
         Case {
@@ -817,7 +879,7 @@ async fn suite(
                 1 << 20,
                 8,
                 Current,
-                0,
+                "adaptive",
             )
         },
     ];
@@ -833,7 +895,7 @@ async fn suite(
                     65536,
                     8,
                     Current,
-                    0,
+                    "adaptive",
                 )
             },
         );

@@ -9,8 +9,9 @@
 //! Measures
 //! - bulk throughput with 64 KiB writes: RdmaStream vs `ib_write_bw -s 65536`
 //!   vs TCP (tokio `TcpStream`) over the same interface;
-//! - 64-byte ping-pong round trip: RdmaStream with busy polling and parked
-//!   (completion channel) vs `ib_send_lat -s 64` (perftest reports half the
+//! - 64-byte ping-pong round trip: RdmaStream with busy polling, the default
+//!   wait (adaptive spin, then park) and parked at once
+//!   on the completion channel vs `ib_send_lat -s 64` (perftest reports half the
 //!   round trip; it is doubled here) vs TCP.
 //!
 //! and prints ratios. Nothing here asserts a speed: this is a benchmark.
@@ -22,7 +23,7 @@ use clap::Parser;
 use hdrhistogram::Histogram;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio_rdma::{RdmaConfig, RdmaListener, RdmaStream};
+use tokio_rdma::{RdmaConfig, RdmaListener, RdmaStream, WaitStrategy};
 
 #[path = "shared/perftest.rs"]
 #[allow(dead_code)]
@@ -194,6 +195,9 @@ async fn main() {
     let (c, s) = rdma_pair(addr, &busy).await;
     let h_busy = pingpong(c, s, args.iters).await;
     let (c, s) = rdma_pair(addr, &cfg).await;
+    let h_default = pingpong(c, s, args.iters).await;
+    let park = RdmaConfig::default().wait_strategy(WaitStrategy::Park);
+    let (c, s) = rdma_pair(addr, &park).await;
     let h_park = pingpong(c, s, args.iters).await;
     let (c, s) = tcp_pair(addr).await;
     let h_tcp = pingpong(c, s, args.iters).await;
@@ -236,7 +240,8 @@ async fn main() {
     }
     for (name, h) in [
         ("RdmaStream busy-poll     ", &h_busy),
-        ("RdmaStream parked        ", &h_park),
+        ("RdmaStream default wait  ", &h_default),
+        ("RdmaStream park at once  ", &h_park),
         ("TCP                      ", &h_tcp),
     ] {
         let p50 = us(h.value_at_quantile(0.5));

@@ -28,7 +28,7 @@ pub struct RdmaConfig {
     pub(crate) inline_threshold: u32,
     pub(crate) signal_interval: u16,
     pub(crate) max_write_size: u32,
-    pub(crate) busy_poll: Duration,
+    pub(crate) wait_strategy: WaitStrategy,
     pub(crate) connect_timeout: Duration,
     pub(crate) resolve_timeout: Duration,
     pub(crate) recv_buffer_limit: usize,
@@ -51,7 +51,7 @@ impl Default for RdmaConfig {
             inline_threshold: 64,
             signal_interval: 16,
             max_write_size: 64 * 1024,
-            busy_poll: Duration::ZERO,
+            wait_strategy: WaitStrategy::default(),
             connect_timeout: Duration::from_secs(10),
             resolve_timeout: Duration::from_secs(2),
             recv_buffer_limit: 8 * 1024 * 1024,
@@ -62,6 +62,73 @@ impl Default for RdmaConfig {
             ack_timeout: 14,
             retry_count: 6,
             share_completion_queue: false,
+        }
+    }
+}
+
+/// How a task waits once its connection has nothing for it to receive
+/// (`poll_read` of a stream, `recv` of a message endpoint). Set with
+/// [`RdmaConfig::wait_strategy`](RdmaConfig::wait_strategy).
+///
+/// Spinning polls the completion queue in the waiting task's own poll,
+/// holding its runtime worker thread for up to the budget: on a
+/// `current_thread` runtime no other task of that runtime runs meanwhile
+/// (tokio's rule of thumb allows 10 to 100 us between `.await`s, the
+/// bound of the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitStrategy {
+    /// Arm the CQ and park at once: no CPU spent waiting, a completion
+    /// event and a wake-up per wait.
+    Park,
+    /// Poll the CQ for up to this long (the fixed busy-poll budget of
+    /// [`RdmaConfig::busy_poll`](RdmaConfig::busy_poll)), then park.
+    Spin(Duration),
+    /// On a `current_thread` runtime, spin for a budget learnt from the
+    /// connection's recent waits, at most `max`, then park (the default,
+    /// with `max` = [`DEFAULT_SPIN_MAX`]); on the multi-thread runtime,
+    /// park at once. There the connection's driver task, woken on another
+    /// worker by the same completion, competes with the spinner: in the
+    /// Soft-RoCE guest spinning gained nothing there, and under CPU
+    /// contention it once took the mean round trip to 6x (benches/README.md,
+    /// "Spin, then park"); [`WaitStrategy::Spin`] spins on any runtime. A wait answered while spinning after `t` sets
+    /// the budget toward `2t`; a parked wait that was answered within
+    /// `max` raises it to twice that wait; a parked wait longer than `max`
+    /// halves it, and below [`MIN_SPIN`] it is 0 (park at once) until a
+    /// wait within `max` is seen again. So a connection that goes idle
+    /// spends at most about `2 x max` of CPU time spinning in all (`max`,
+    /// `max/2`, ... over its next waits), then none; a request/response
+    /// connection whose peer answers within `max` spins about twice its
+    /// usual wait. It does not spin at all while another connection of the
+    /// process ended a wait within the last millisecond: with more than
+    /// one connection at work, a spin would hold up the others on its
+    /// thread (on a `current_thread` server, every request of every other
+    /// connection), so those waits park at once.
+    Adaptive {
+        /// The largest budget, per wait.
+        max: Duration,
+    },
+}
+
+/// The default [`WaitStrategy::Adaptive`] limit: 100 us, the upper end of
+/// tokio's rule of thumb for the time between two `.await`s ("no more than
+/// 10 to 100 microseconds", tokio's docs on blocking) and Linux's
+/// recommended `net.core.busy_poll` for several hundred sockets
+/// (Documentation/admin-guide/sysctl/net.rst; 50 us for a few). On a NIC,
+/// where a round trip takes a few microseconds, the learnt budget stays
+/// near twice that and the limit only bounds it; in the Soft-RoCE guest
+/// (a 64 B round trip of raw verbs: 90-150 us) 100 us took the parked
+/// round trip's mean to 0.5-0.9x where 50 us gave 0.8-1.0x
+/// (benches/README.md, "Spin, then park").
+pub const DEFAULT_SPIN_MAX: Duration = Duration::from_micros(100);
+
+/// Budgets below this (1 us) are not worth a spin: the adaptive budget
+/// drops to 0 instead.
+pub const MIN_SPIN: Duration = Duration::from_micros(1);
+
+impl Default for WaitStrategy {
+    fn default() -> Self {
+        WaitStrategy::Adaptive {
+            max: DEFAULT_SPIN_MAX,
         }
     }
 }
@@ -230,11 +297,36 @@ impl RdmaConfig {
         self
     }
 
-    /// Busy-poll budget: after the completion queue runs dry, keep polling
-    /// it for up to this long before arming the CQ for an event and
-    /// parking (default 0 = park at once). Trades CPU for latency.
+    /// A fixed busy-poll budget: after the completion queue runs dry, keep
+    /// polling it for up to this long before arming the CQ for an event and
+    /// parking; `Duration::ZERO` parks at once. Shorthand for
+    /// [`wait_strategy`](Self::wait_strategy) with
+    /// [`WaitStrategy::Spin`] (or [`WaitStrategy::Park`] for zero); the
+    /// default is [`WaitStrategy::Adaptive`]. Trades CPU for latency.
     pub fn busy_poll(mut self, budget: Duration) -> Self {
-        self.busy_poll = budget;
+        self.wait_strategy = if budget.is_zero() {
+            WaitStrategy::Park
+        } else {
+            WaitStrategy::Spin(budget)
+        };
+        self
+    }
+
+    /// How a task that found nothing to receive (a stream's `poll_read`, a
+    /// message endpoint's `recv`) waits: park on the completion event at
+    /// once, spin a fixed budget first, or (default)
+    /// [`WaitStrategy::Adaptive`] with a 100 us limit
+    /// ([`DEFAULT_SPIN_MAX`]): on a `current_thread` runtime, spin about
+    /// twice the connection's recent waits while they stay under the limit
+    /// and no other connection of the process is at work, otherwise (and
+    /// on the multi-thread runtime) park at once. A spin holds the
+    /// task's worker thread (on a `current_thread` runtime, every other
+    /// task of it) for up to the budget; an idle connection spends at most
+    /// about twice the limit of CPU time spinning before it parks at once.
+    /// Measured in the Soft-RoCE guest: benches/README.md, "Spin, then
+    /// park".
+    pub fn wait_strategy(mut self, strategy: WaitStrategy) -> Self {
+        self.wait_strategy = strategy;
         self
     }
 

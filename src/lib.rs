@@ -61,7 +61,7 @@ pub mod transport;
 #[allow(unsafe_code)]
 pub mod verbs;
 
-pub use config::RdmaConfig;
+pub use config::{RdmaConfig, WaitStrategy};
 pub use error::Error;
 pub use message::{MessageConfig, MessageEndpoint, MessageListener, PostedSge};
 pub use pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes};

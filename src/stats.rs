@@ -47,6 +47,13 @@ pub struct ConnectionStats {
     /// Registered memory this connection holds, bytes (receive ring plus
     /// send buffer).
     pub registered_bytes: u64,
+    /// Reads that found nothing and were answered while spinning on the
+    /// completion queue (see `RdmaConfig::wait_strategy`).
+    pub spin_hits: u64,
+    /// Times a read found nothing and parked: armed the completion queue
+    /// and returned `Pending` (again after each wake-up that brought
+    /// nothing).
+    pub read_parks: u64,
 }
 
 /// The verbs and rdma_cm objects this process holds through tokio-rdma

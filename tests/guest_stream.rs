@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rdma::error::RejectReason;
-use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
+use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream, WaitStrategy};
 
 mod common;
 use common::{echo, example, signal};
@@ -923,4 +923,87 @@ fn connections_on_three_runtimes_one_shut_down() {
     assert_eq!(on_own_runtime(4).join().unwrap(), LEN, "a third runtime");
     server.abort();
     drop(multi);
+}
+
+/// The wait strategies on the real data path, 200 round trips of 64 B
+/// each: with a 2 s spin budget every read that finds nothing is answered
+/// while spinning (no read parks, on either end); parking at once never
+/// counts a spin. The server runs on a thread and runtime of its own, so a
+/// spinning client never holds it up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_strategies_spin_or_park_as_configured() {
+    const ROUNDS: u64 = 200;
+    for strategy in [
+        WaitStrategy::Spin(Duration::from_secs(2)),
+        WaitStrategy::Park,
+    ] {
+        let cfg = RdmaConfig::new().wait_strategy(strategy);
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let server_cfg = cfg.clone();
+        let server = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("server runtime");
+            rt.block_on(async move {
+                let listener = bind(&server_cfg).await;
+                addr_tx
+                    .send(listener.local_addr()?)
+                    .expect("address to the test");
+                let (mut s, _) = listener.accept().await?;
+                let mut buf = [0u8; 64];
+                let mut echoed = 0u64;
+                loop {
+                    match s.read_exact(&mut buf).await {
+                        Ok(_) => {}
+                        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => break,
+                        Err(e) => return Err(e),
+                    }
+                    s.write_all(&buf).await?;
+                    echoed += 1;
+                }
+                Ok::<_, io::Error>((echoed, s.stats()))
+            })
+        });
+        let addr: SocketAddr = addr_rx.recv().expect("the server's address");
+        let mut c = RdmaStream::connect_with(addr, &cfg).await.expect("connect");
+        let mut back = [0u8; 64];
+        for round in 0..ROUNDS {
+            let req: Vec<u8> = (0..64).map(|i| pattern(round, i)).collect();
+            c.write_all(&req).await.expect("write");
+            c.read_exact(&mut back).await.expect("read the echo");
+            assert_eq!(&back[..], &req[..], "round {round}");
+        }
+        c.shutdown().await.expect("shutdown");
+        assert_eq!(c.read(&mut back).await.expect("EOF"), 0);
+        let client = c.stats();
+        let (echoed, server) = server.join().expect("server thread").expect("server");
+        assert_eq!(echoed, ROUNDS);
+        match strategy {
+            WaitStrategy::Park => {
+                assert_eq!((client.spin_hits, server.spin_hits), (0, 0), "{strategy:?}");
+                assert!(
+                    client.read_parks > 0 && server.read_parks > 0,
+                    "{client:?} {server:?}"
+                );
+            }
+            _ => {
+                assert_eq!(
+                    (client.read_parks, server.read_parks),
+                    (0, 0),
+                    "{strategy:?}"
+                );
+                // every read that waited was answered while spinning (a read
+                // whose answer was already there did not wait)
+                assert!(
+                    client.spin_hits > 0 && client.spin_hits <= ROUNDS + 1,
+                    "{client:?}"
+                );
+                assert!(
+                    server.spin_hits > 0 && server.spin_hits <= ROUNDS + 1,
+                    "{server:?}"
+                );
+            }
+        }
+    }
 }

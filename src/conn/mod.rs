@@ -14,7 +14,9 @@
 pub(crate) mod listener;
 pub(crate) mod setup;
 pub(crate) mod shared;
+pub(crate) mod spin;
 
 pub(crate) use listener::Listener;
 pub(crate) use setup::{Established, Setup, connect_any};
 pub(crate) use shared::{Driven, Handle, Started, WakerList, start};
+pub(crate) use spin::SpinWait;

@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{Notify, watch};
 use tracing::{Instrument, Span, debug, trace};
@@ -23,6 +23,8 @@ use crate::error::Error;
 use crate::pool::MemoryPool;
 use crate::verbs::cm::{CmEventKind, CmId};
 use crate::verbs::rc::RcQueuePair;
+
+use super::SpinWait;
 
 /// How often a driver waiting for pool memory looks again even without a
 /// notification (a return can race with the waiter's registration).
@@ -191,6 +193,37 @@ impl<D: Driven> Shared<D> {
         async move {
             let _ = rx.wait_for(|closed| *closed).await;
         }
+    }
+
+    /// The spin of a task that found nothing to receive, for what its
+    /// [`SpinWait`] allows: polls the CQ (`progress`) until `ready` or the
+    /// deadline, releasing the lock between polls so the driver and the
+    /// other half can take it. The spin holds the task's thread: on a
+    /// `current_thread` runtime every other task of it waits meanwhile
+    /// (within tokio's rule of thumb of 10 to 100 us between `.await`s).
+    /// A cooperative spin (one poll per scheduler turn, the task waking
+    /// itself) was measured and not kept: for a `block_on` future each turn
+    /// costs an eventfd write and an `epoll_wait`, and in the guest it
+    /// gained nothing over parking (benches/README.md, "Spin, then park").
+    pub(crate) fn spin<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, D>,
+        ready: fn(&D) -> bool,
+        progress: fn(&mut D),
+        wait: fn(&mut D) -> &mut SpinWait,
+    ) -> MutexGuard<'a, D> {
+        let current_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+        let Some(deadline) = wait(&mut st).begin(current_thread) else {
+            return st;
+        };
+        while !ready(&st) && Instant::now() < deadline {
+            drop(st);
+            std::hint::spin_loop();
+            st = self.lock();
+            progress(&mut st);
+        }
+        st
     }
 
     /// Wakes the driver to look at the state again.

@@ -17,7 +17,7 @@ use tracing::{debug, trace, warn};
 use super::MessageConfig;
 use super::qp::{MessageQp, PostedSge};
 use super::quota::Quota;
-use crate::conn::{Driven, Established, Handle, Started, WakerList};
+use crate::conn::{Driven, Established, Handle, SpinWait, Started, WakerList};
 use crate::error::{Error, Result};
 use crate::pool::{ExhaustedPolicy, MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolError};
 use crate::proto::message::{
@@ -66,6 +66,8 @@ pub(crate) struct MsgState {
     linger: std::time::Duration,
     /// Tasks waiting in `recv` (and the `Stream` impl).
     receivers: WakerList,
+    /// How a receiver waits, and the wait in progress.
+    spin: SpinWait,
     /// Tasks waiting for room in the send queue or for posting (`send`,
     /// the `Sink`'s `poll_ready`/`poll_flush`).
     senders: WakerList,
@@ -513,14 +515,16 @@ impl MsgConn {
         st.core.has_deliverable() || st.error.is_some() || st.peer_closed
     }
 
-    /// With nothing to deliver: arm the CQ and register this task on the
-    /// CQ's next event itself, so an arriving message wakes the reader
+    /// With nothing to deliver: spin on the CQ for what the wait strategy
+    /// allows ([`MsgConn::spin`]), then arm it and register this task on
+    /// the CQ's next event itself, so an arriving message wakes the reader
     /// without a hop through the driver task.
     fn wait_recv<'a>(
         &'a self,
         mut st: std::sync::MutexGuard<'a, MsgState>,
         cx: &mut Context<'_>,
     ) -> std::sync::MutexGuard<'a, MsgState> {
+        st = self.spin(st, Self::recv_ready, MsgState::progress, |st| &mut st.spin);
         let events = st.qp.qp_ref().cq_events();
         while !Self::recv_ready(&st) {
             st.progress_and_arm();
@@ -543,6 +547,9 @@ impl MsgConn {
         self.nudge_if_failed(&st);
         if !Self::recv_ready(&st) {
             st = self.wait_recv(st, cx);
+        }
+        if Self::recv_ready(&st) {
+            st.spin.ready();
         }
         if let Some(d) = st.core.poll_recv() {
             let msg = match d {
@@ -573,6 +580,7 @@ impl MsgConn {
             }
             return Poll::Ready(Ok(None));
         }
+        st.spin.parking();
         st.receivers.register(cx.waker());
         Poll::Pending
     }
@@ -755,6 +763,7 @@ pub(crate) fn start(
         send_queue_limit: cfg.send_queue_limit,
         linger: cfg.rdma.linger,
         receivers: WakerList::default(),
+        spin: SpinWait::new(cfg.rdma.wait_strategy),
         senders: WakerList::default(),
         flushers: WakerList::default(),
         error: None,

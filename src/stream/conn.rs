@@ -16,13 +16,12 @@ use std::collections::VecDeque;
 use std::io;
 use std::sync::MutexGuard;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tracing::{debug, warn};
 
 use crate::config::RdmaConfig;
-use crate::conn::{Driven, Established, Handle, Started, WakerList};
+use crate::conn::{Driven, Established, Handle, SpinWait, Started, WakerList};
 use crate::error::{Error, Result};
 use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::stream::{RecvEvent, StreamCore, Transmit, TransmitKind};
@@ -61,7 +60,8 @@ pub(crate) struct StreamState {
     error: Option<Error>,
     /// The peer disconnected (rdma_cm DISCONNECTED) or the QP failed.
     peer_gone: bool,
-    busy_poll: Duration,
+    /// How a reader waits, and the wait in progress.
+    spin: SpinWait,
     nodelay: bool,
     stats: ConnectionStats,
     /// Reused buffer for polled completions.
@@ -316,25 +316,23 @@ impl Driven for StreamState {
 }
 
 impl Conn {
-    /// With nothing to read: poll the CQ ourselves (spinning up to the
-    /// busy-poll budget), and register this task for the CQ's next event
-    /// directly, so an arriving completion wakes the reader without a hop
-    /// through the driver task.
+    /// With nothing to read: poll the CQ ourselves, spin for what the
+    /// wait strategy allows ([`Conn::spin`]), then register this task for
+    /// the CQ's next event directly, so an arriving completion wakes the
+    /// reader without a hop through the driver task.
     fn wait_readable<'a>(
         &'a self,
         mut st: MutexGuard<'a, StreamState>,
         cx: &mut Context<'_>,
     ) -> MutexGuard<'a, StreamState> {
         st.progress_reading();
-        if !st.busy_poll.is_zero() && !st.read_ready() {
-            let start = Instant::now();
-            let budget = st.busy_poll;
-            while !st.read_ready() && start.elapsed() < budget {
-                drop(st);
-                std::hint::spin_loop();
-                st = self.lock();
-                st.progress_reading();
-            }
+        if !st.read_ready() {
+            st = self.spin(
+                st,
+                StreamState::read_ready,
+                StreamState::progress_reading,
+                |st| &mut st.spin,
+            );
         }
         let events = st.qp.cq_events();
         while !st.read_ready() {
@@ -371,6 +369,9 @@ impl Conn {
         }
         if !st.read_ready() {
             st = self.wait_readable(st, cx);
+        }
+        if st.read_ready() {
+            st.spin.ready();
         }
         let mut copied = 0;
         while buf.remaining() > 0 {
@@ -425,6 +426,7 @@ impl Conn {
         if st.peer_gone {
             return Poll::Ready(Err(Error::PeerDisconnected.into()));
         }
+        st.spin.parking();
         st.readers.register(cx.waker());
         Poll::Pending
     }
@@ -574,6 +576,8 @@ impl Conn {
             _ => RemoteAccess::MemoryWindow,
         };
         s.registered_bytes = st.qp.registered_bytes() as u64;
+        s.spin_hits = st.spin.spin_hits;
+        s.read_parks = st.spin.parks;
         s
     }
 }
@@ -625,7 +629,7 @@ pub(crate) fn start(
         writers: WakerList::default(),
         error: None,
         peer_gone: false,
-        busy_poll: cfg.busy_poll,
+        spin: SpinWait::new(cfg.wait_strategy),
         nodelay: true,
         stats: ConnectionStats::default(),
         scratch: Vec::with_capacity(64),

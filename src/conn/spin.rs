@@ -1,0 +1,416 @@
+//! How a task that found nothing to receive waits: poll the completion
+//! queue for a while (spin), then arm it and park on its completion event.
+//!
+//! Parking costs a round of system calls and a wake-up (arm the CQ, the
+//! event's read, a reactor turn, on the multi-thread runtime often a
+//! futex between workers); when the peer answers within a few round
+//! trips, polling the CQ until the answer lands is cheaper and faster.
+//! [`SpinBudget`] learns from the connection's recent waits how long
+//! spinning pays (no clock and no I/O here: the caller measures); the
+//! connection keeps one [`SpinWait`] for the wait in progress.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::config::{MIN_SPIN, WaitStrategy};
+
+/// The adaptive budget (pure: the caller passes measured waits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SpinBudget {
+    budget: Duration,
+    max: Duration,
+}
+
+impl SpinBudget {
+    /// Starts at `max`: a fresh connection spins its first wait fully.
+    /// A `max` below [`MIN_SPIN`] never spins.
+    pub(crate) fn new(max: Duration) -> Self {
+        let max = if max < MIN_SPIN { Duration::ZERO } else { max };
+        SpinBudget { budget: max, max }
+    }
+
+    /// How long the next wait spins before it parks.
+    pub(crate) fn budget(&self) -> Duration {
+        self.budget
+    }
+
+    /// One finished wait: it took `waited` from the moment the task found
+    /// nothing to the moment it had something; `parked` if it parked on
+    /// the completion event meanwhile (`waited` then includes the wake-up).
+    pub(crate) fn record(&mut self, waited: Duration, parked: bool) {
+        if self.max.is_zero() {
+            return;
+        }
+        let twice = waited.saturating_mul(2).clamp(MIN_SPIN, self.max);
+        if !parked {
+            // Answered while spinning: move halfway toward twice the wait.
+            self.budget = ((self.budget + twice) / 2).max(MIN_SPIN).min(self.max);
+        } else if waited <= self.max {
+            // A longer spin would have caught it.
+            self.budget = self.budget.max(twice);
+        } else {
+            self.budget /= 2;
+            if self.budget < MIN_SPIN {
+                self.budget = Duration::ZERO;
+            }
+        }
+    }
+}
+
+/// Within this long (1 ms) of another connection's wait ending, an
+/// adaptive wait does not spin: the process has more than one connection
+/// at work, and a spin would hold up the others on its thread.
+pub(crate) const CONTENTION_WINDOW: Duration = Duration::from_millis(1);
+
+/// Which connection's wait ended last, and when: one atomic word, the time
+/// in microseconds since `epoch` above [`ID_BITS`] bits of connection id.
+#[derive(Debug)]
+pub(crate) struct RecentWaits {
+    epoch: OnceLock<Instant>,
+    last: AtomicU64,
+}
+
+/// Bits of the connection id kept in [`RecentWaits`] (ids equal modulo
+/// 2^20 look like one connection: a heuristic, never a correctness matter).
+const ID_BITS: u32 = 20;
+
+impl RecentWaits {
+    pub(crate) const fn new() -> Self {
+        RecentWaits {
+            epoch: OnceLock::new(),
+            last: AtomicU64::new(0),
+        }
+    }
+
+    fn micros(&self, at: Instant) -> u64 {
+        let epoch = *self.epoch.get_or_init(|| at);
+        u64::try_from(at.saturating_duration_since(epoch).as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Connection `id`'s wait ended at `at`.
+    fn ended(&self, id: u64, at: Instant) {
+        let word = (self.micros(at) << ID_BITS) | (id & ((1 << ID_BITS) - 1));
+        self.last.store(word, Ordering::Relaxed);
+    }
+
+    /// Whether a connection other than `id` ended a wait within
+    /// [`CONTENTION_WINDOW`] before `at`.
+    fn others_active(&self, id: u64, at: Instant) -> bool {
+        let word = self.last.load(Ordering::Relaxed);
+        if word == 0 || word & ((1 << ID_BITS) - 1) == id & ((1 << ID_BITS) - 1) {
+            return false;
+        }
+        let then = word >> ID_BITS;
+        self.micros(at).saturating_sub(then) < CONTENTION_WINDOW.as_micros() as u64
+    }
+}
+
+/// The process's record of recent waits.
+static PROCESS_WAITS: RecentWaits = RecentWaits::new();
+
+/// Connection ids for [`RecentWaits`] (never 0).
+static WAIT_IDS: AtomicU64 = AtomicU64::new(1);
+
+/// One wait in progress.
+#[derive(Debug, Clone, Copy)]
+struct Wait {
+    start: Instant,
+    /// It parked (or was told not to spin by other connections' activity).
+    parked: bool,
+    /// It was given a budget to spin.
+    spun: bool,
+}
+
+/// A connection's waiting state: the strategy, the learnt budget and the
+/// wait in progress.
+#[derive(Debug)]
+pub(crate) struct SpinWait {
+    strategy: WaitStrategy,
+    learnt: SpinBudget,
+    /// The wait in progress.
+    current: Option<Wait>,
+    id: u64,
+    recent: &'static RecentWaits,
+    /// Waits answered while spinning.
+    pub(crate) spin_hits: u64,
+    /// Parks (a task returned `Pending` with the CQ armed).
+    pub(crate) parks: u64,
+}
+
+impl SpinWait {
+    pub(crate) fn new(strategy: WaitStrategy) -> Self {
+        Self::with_recent(strategy, &PROCESS_WAITS)
+    }
+
+    fn with_recent(strategy: WaitStrategy, recent: &'static RecentWaits) -> Self {
+        let max = match strategy {
+            WaitStrategy::Adaptive { max } => max,
+            _ => Duration::ZERO,
+        };
+        SpinWait {
+            strategy,
+            learnt: SpinBudget::new(max),
+            current: None,
+            id: WAIT_IDS.fetch_add(1, Ordering::Relaxed),
+            recent,
+            spin_hits: 0,
+            parks: 0,
+        }
+    }
+
+    /// A task found nothing to receive: starts a wait (or goes on with the
+    /// one in progress, after a wake-up that brought nothing) and returns
+    /// until when this poll may spin (`None`: park now). The park strategy
+    /// reads no clock, nor does the adaptive one off a `current_thread`
+    /// runtime (`current_thread: false`), where it parks at once. An
+    /// adaptive wait does not spin while another connection of the process
+    /// ended a wait within [`CONTENTION_WINDOW`] (it is still timed, to
+    /// learn from).
+    pub(crate) fn begin(&mut self, current_thread: bool) -> Option<Instant> {
+        let budget = match self.strategy {
+            WaitStrategy::Park => return None,
+            WaitStrategy::Spin(d) => d,
+            WaitStrategy::Adaptive { .. } if !current_thread => return None,
+            WaitStrategy::Adaptive { .. } => self.learnt.budget(),
+        };
+        let fresh = self.current.is_none();
+        let wait = self.current.get_or_insert_with(|| Wait {
+            start: Instant::now(),
+            parked: false,
+            spun: false,
+        });
+        if wait.parked || budget.is_zero() {
+            return None;
+        }
+        if fresh
+            && matches!(self.strategy, WaitStrategy::Adaptive { .. })
+            && self.recent.others_active(self.id, wait.start)
+        {
+            wait.parked = true;
+            return None;
+        }
+        wait.spun = true;
+        Some(wait.start + budget)
+    }
+
+    /// When the wait in progress began.
+    #[cfg(test)]
+    pub(crate) fn started(&self) -> Option<Instant> {
+        self.current.map(|w| w.start)
+    }
+
+    /// The waiting task is about to park.
+    pub(crate) fn parking(&mut self) {
+        self.parks += 1;
+        if let Some(w) = &mut self.current {
+            w.parked = true;
+        }
+    }
+
+    /// The waiting task has something to receive: ends the wait in
+    /// progress, if any, and learns from it.
+    pub(crate) fn ready(&mut self) {
+        if let Some(w) = self.current.take() {
+            if w.spun && !w.parked {
+                self.spin_hits += 1;
+            }
+            if matches!(self.strategy, WaitStrategy::Adaptive { .. }) {
+                let now = Instant::now();
+                self.learnt
+                    .record(now.saturating_duration_since(w.start), w.parked);
+                self.recent.ended(self.id, now);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    #[test]
+    fn starts_at_max_and_follows_twice_a_spun_wait() {
+        let mut b = SpinBudget::new(us(50));
+        assert_eq!(b.budget(), us(50));
+        b.record(us(10), false);
+        // halfway from 50 toward 20
+        assert_eq!(b.budget(), us(35));
+        b.record(us(10), false);
+        assert_eq!(b.budget(), Duration::from_nanos(27_500));
+        b.record(Duration::from_nanos(100), false);
+        // twice 100 ns is below MIN_SPIN, so the target is 1 us
+        assert_eq!(b.budget(), Duration::from_nanos(14_250));
+    }
+
+    #[test]
+    fn a_spun_wait_longer_than_half_max_targets_max() {
+        let mut b = SpinBudget::new(us(50));
+        b.record(us(40), false);
+        assert_eq!(b.budget(), us(50));
+    }
+
+    #[test]
+    fn long_parked_waits_halve_the_budget_down_to_zero() {
+        let mut b = SpinBudget::new(us(50));
+        let mut seen = Vec::new();
+        for _ in 0..7 {
+            b.record(us(1_000_000), true);
+            seen.push(b.budget().as_nanos());
+        }
+        assert_eq!(
+            seen,
+            vec![25_000, 12_500, 6_250, 3_125, 1_562, 0, 0],
+            "halved on every wait beyond max, then zero below 1 us"
+        );
+        // The CPU an idle connection spends spinning: the budgets it spun
+        // before each long wait, 50 + 25 + 12.5 + 6.25 + 3.125 + 1.562 us.
+        let spent: u128 = 50_000 + seen[..5].iter().sum::<u128>();
+        assert_eq!(spent, 98_437);
+    }
+
+    #[test]
+    fn a_parked_wait_within_max_restores_spinning() {
+        let mut b = SpinBudget::new(us(50));
+        for _ in 0..6 {
+            b.record(us(500), true);
+        }
+        assert_eq!(b.budget(), Duration::ZERO);
+        b.record(us(20), true);
+        assert_eq!(b.budget(), us(40));
+        // a parked wait never lowers a budget that is already above it
+        b.record(us(5), true);
+        assert_eq!(b.budget(), us(40));
+        b.record(us(30), true);
+        assert_eq!(b.budget(), us(50), "capped at max");
+    }
+
+    #[test]
+    fn a_max_below_min_spin_never_spins() {
+        for max in [Duration::ZERO, Duration::from_nanos(999)] {
+            let mut b = SpinBudget::new(max);
+            assert_eq!(b.budget(), Duration::ZERO);
+            b.record(us(1), false);
+            assert_eq!(b.budget(), Duration::ZERO);
+            b.record(Duration::ZERO, true);
+            assert_eq!(b.budget(), Duration::ZERO);
+        }
+    }
+
+    #[test]
+    fn park_strategy_never_starts_a_timed_wait() {
+        let mut w = SpinWait::with_recent(WaitStrategy::Park, private_recent());
+        assert_eq!(w.begin(true), None);
+        assert_eq!(w.started(), None);
+        w.parking();
+        w.ready();
+        assert_eq!(w.started(), None);
+        assert_eq!((w.spin_hits, w.parks), (0, 1));
+    }
+
+    #[test]
+    fn a_wait_spins_only_until_it_parks_and_ends_when_ready() {
+        let hour = Duration::from_secs(3600);
+        let mut w = SpinWait::with_recent(WaitStrategy::Spin(hour), private_recent());
+        let deadline = w.begin(true);
+        let start = w.started().expect("a wait began");
+        assert_eq!(deadline, Some(start + hour));
+        // a second poll of the same wait keeps its start and deadline
+        assert_eq!(w.begin(true), Some(start + hour));
+        w.parking();
+        assert_eq!(w.begin(true), None, "a parked wait spins no more");
+        w.ready();
+        assert_eq!(w.started(), None);
+        assert_eq!((w.spin_hits, w.parks), (0, 1));
+        let next = w.begin(true);
+        let start2 = w.started().expect("the next wait began");
+        assert_eq!(next, Some(start2 + hour), "the next wait spins again");
+        w.ready();
+        assert_eq!((w.spin_hits, w.parks), (1, 1), "answered while spinning");
+    }
+
+    fn private_recent() -> &'static RecentWaits {
+        Box::leak(Box::new(RecentWaits::new()))
+    }
+
+    #[test]
+    fn an_adaptive_wait_does_not_spin_while_another_connection_is_active() {
+        let recent = private_recent();
+        let hour = Duration::from_secs(3600);
+        let adaptive = WaitStrategy::Adaptive { max: hour };
+        let mut a = SpinWait::with_recent(adaptive, recent);
+        let mut b = SpinWait::with_recent(adaptive, recent);
+        // nobody waited yet: a spins its full budget
+        let da = a.begin(true);
+        assert_eq!(da, Some(a.started().expect("a wait began") + hour));
+        a.ready();
+        // a's own ended wait does not stop a from spinning again (for the
+        // budget that wait taught it: about half an hour)
+        let da = a.begin(true);
+        assert_eq!(
+            da,
+            Some(a.started().expect("a wait began") + a.learnt.budget())
+        );
+        assert!(a.learnt.budget() > Duration::from_secs(1700));
+        // but it stops b (within the window), which still times its wait
+        assert_eq!(b.begin(true), None);
+        assert!(b.started().is_some());
+        assert_eq!(b.begin(true), None, "the wait stays parked");
+        // an explicit spin ignores other connections
+        let mut c = SpinWait::with_recent(WaitStrategy::Spin(hour), recent);
+        assert_eq!(
+            c.begin(true),
+            Some(c.started().expect("a wait began") + hour)
+        );
+    }
+
+    #[test]
+    fn adaptive_parks_at_once_off_a_current_thread_runtime() {
+        let mut w = SpinWait::with_recent(WaitStrategy::default(), private_recent());
+        assert_eq!(w.begin(false), None);
+        assert_eq!(w.started(), None, "no wait timed, no clock read");
+        w.parking();
+        w.ready();
+        assert_eq!((w.spin_hits, w.parks), (0, 1));
+        // an explicit spin spins on any runtime
+        let hour = Duration::from_secs(3600);
+        let mut s = SpinWait::with_recent(WaitStrategy::Spin(hour), private_recent());
+        assert_eq!(s.begin(false), Some(s.started().expect("timed") + hour));
+    }
+
+    #[test]
+    fn other_connections_count_for_the_window_only() {
+        let recent = private_recent();
+        let t0 = Instant::now();
+        assert!(!recent.others_active(7, t0), "nothing recorded yet");
+        recent.ended(3, t0);
+        assert!(!recent.others_active(3, t0), "its own wait");
+        assert!(recent.others_active(7, t0 + Duration::from_micros(999)));
+        assert!(!recent.others_active(7, t0 + CONTENTION_WINDOW));
+        // ids are kept modulo 2^20
+        assert!(!recent.others_active(3 + (1 << ID_BITS), t0));
+    }
+
+    #[test]
+    fn adaptive_waits_teach_the_budget() {
+        let mut w = SpinWait::with_recent(
+            WaitStrategy::Adaptive {
+                max: Duration::from_secs(3600),
+            },
+            private_recent(),
+        );
+        assert_eq!(w.learnt.budget(), Duration::from_secs(3600));
+        for _ in 0..40 {
+            w.begin(true);
+            w.ready();
+        }
+        // forty waits answered at once (well under a second each) pull
+        // the budget from an hour to under a second
+        assert!(w.learnt.budget() < Duration::from_secs(1));
+        assert!(w.learnt.budget() >= MIN_SPIN);
+    }
+}
