@@ -116,9 +116,10 @@ pub enum WaitStrategy {
 /// (Documentation/admin-guide/sysctl/net.rst; 50 us for a few). On a NIC,
 /// where a round trip takes a few microseconds, the learnt budget stays
 /// near twice that and the limit only bounds it; in the Soft-RoCE guest
-/// (a 64 B round trip of raw verbs: 90-150 us) 100 us took the parked
-/// round trip's mean to 0.5-0.9x where 50 us gave 0.8-1.0x
-/// (benches/README.md, "Spin, then park").
+/// (a 64 B round trip of raw verbs: 90-180 us) 100 us took the 64 B round
+/// trip's mean on the current_thread runtime to 0.5-0.9x the build that
+/// parked at once, where 50 us gave 0.8-1.5x (benches/README.md, "Spin,
+/// then park").
 pub const DEFAULT_SPIN_MAX: Duration = Duration::from_micros(100);
 
 /// Budgets below this (1 us) are not worth a spin: the adaptive budget

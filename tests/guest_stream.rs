@@ -939,6 +939,9 @@ async fn wait_strategies_spin_or_park_as_configured() {
     ] {
         let cfg = RdmaConfig::new().wait_strategy(strategy);
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        // The server's runtime ends with its thread, which would cut its
+        // connection short: it stays until the client has read its EOF.
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let server_cfg = cfg.clone();
         let server = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -962,6 +965,8 @@ async fn wait_strategies_spin_or_park_as_configured() {
                     s.write_all(&buf).await?;
                     echoed += 1;
                 }
+                s.shutdown().await?;
+                let _ = done_rx.await;
                 Ok::<_, io::Error>((echoed, s.stats()))
             })
         });
@@ -976,6 +981,7 @@ async fn wait_strategies_spin_or_park_as_configured() {
         }
         c.shutdown().await.expect("shutdown");
         assert_eq!(c.read(&mut back).await.expect("EOF"), 0);
+        done_tx.send(()).expect("the server waits");
         let client = c.stats();
         let (echoed, server) = server.join().expect("server thread").expect("server");
         assert_eq!(echoed, ROUNDS);
