@@ -90,7 +90,9 @@ pub enum WaitStrategy {
     /// worker by the same completion, competes with the spinner: in the
     /// Soft-RoCE guest spinning gained nothing there, and under CPU
     /// contention it once took the mean round trip to 6x (benches/README.md,
-    /// "Spin, then park"); [`WaitStrategy::Spin`] spins on any runtime. A wait answered while spinning after `t` sets
+    /// "Spin, then park"); [`WaitStrategy::Spin`] spins on any runtime.
+    ///
+    /// A wait answered while spinning after `t` sets
     /// the budget toward `2t`; a parked wait that was answered within
     /// `max` raises it to twice that wait; a parked wait longer than `max`
     /// halves it, and below [`MIN_SPIN`] it is 0 (park at once) until a

@@ -74,6 +74,7 @@ pub(crate) struct RecentWaits {
 /// Bits of the connection id kept in [`RecentWaits`] (ids equal modulo
 /// 2^20 look like one connection: a heuristic, never a correctness matter).
 const ID_BITS: u32 = 20;
+const ID_MASK: u64 = (1 << ID_BITS) - 1;
 
 impl RecentWaits {
     pub(crate) const fn new() -> Self {
@@ -88,9 +89,10 @@ impl RecentWaits {
         u64::try_from(at.saturating_duration_since(epoch).as_micros()).unwrap_or(u64::MAX)
     }
 
-    /// Connection `id`'s wait ended at `at`.
+    /// Connection `id`'s wait ended at `at`. The time keeps its low 44
+    /// bits (about 203 days of microseconds) and is compared modulo that.
     fn ended(&self, id: u64, at: Instant) {
-        let word = (self.micros(at) << ID_BITS) | (id & ((1 << ID_BITS) - 1));
+        let word = (self.micros(at) << ID_BITS) | (id & ID_MASK);
         self.last.store(word, Ordering::Relaxed);
     }
 
@@ -98,11 +100,13 @@ impl RecentWaits {
     /// [`CONTENTION_WINDOW`] before `at`.
     fn others_active(&self, id: u64, at: Instant) -> bool {
         let word = self.last.load(Ordering::Relaxed);
-        if word == 0 || word & ((1 << ID_BITS) - 1) == id & ((1 << ID_BITS) - 1) {
+        if word == 0 || word & ID_MASK == id & ID_MASK {
             return false;
         }
         let then = word >> ID_BITS;
-        self.micros(at).saturating_sub(then) < CONTENTION_WINDOW.as_micros() as u64
+        let now = self.micros(at) & (u64::MAX >> ID_BITS);
+        let since = now.wrapping_sub(then) & (u64::MAX >> ID_BITS);
+        since < CONTENTION_WINDOW.as_micros() as u64
     }
 }
 
