@@ -6,7 +6,7 @@
 //! the same device and prints the table with ratios.
 //!
 //! ```text
-//! echo_bench server rdma://10.11.0.1:7700 [--runtime multi] [--busy-poll-us 200]
+//! echo_bench server rdma://10.11.0.1:7700 [--runtime multi] [--wait spin:200]
 //! echo_bench client rdma://10.11.0.1:7700 --size 64 --in-flight 1 --requests 20000
 //! echo_bench suite --ip 10.11.0.1 --device rxe0        # integration/bench-echo
 //! ```
