@@ -35,8 +35,11 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio_rdma::transport::{Listener, Stream, TransportAddr};
 use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, RdmaConfig, WaitStrategy};
 
+#[path = "shared/cpu.rs"]
+mod cpu;
 #[path = "shared/perftest.rs"]
 mod perftest;
+use cpu::cpu_us;
 use perftest::ratio;
 
 #[derive(Parser)]
@@ -188,20 +191,6 @@ fn config(wait: Wait, ring_size: u32, share_cq: bool) -> RdmaConfig {
         .wait_strategy(wait.0)
         .ring_size(ring_size)
         .share_completion_queue(share_cq)
-}
-
-/// User + system CPU time of this process (all threads), microseconds.
-fn cpu_us() -> u64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // Fields after the parenthesised command name; utime and stime are the
-    // 14th and 15th fields of the line, in clock ticks (100 per second).
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .map(|x| x.parse().unwrap_or(0))
-        .collect();
-    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
-    ticks * 10_000
 }
 
 async fn serve(addr: TransportAddr, cfg: RdmaConfig) -> std::io::Result<()> {

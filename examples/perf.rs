@@ -25,6 +25,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rdma::{RdmaConfig, RdmaListener, RdmaStream, WaitStrategy};
 
+#[path = "shared/cpu.rs"]
+mod cpu;
 #[path = "shared/perftest.rs"]
 #[allow(dead_code)]
 mod perftest;
@@ -63,20 +65,6 @@ struct Args {
 const CHUNK: usize = 64 * 1024;
 const PING: usize = 64;
 
-/// Sends `bytes` in 64 KiB writes; the reader counts them. Returns MB/s.
-/// CPU time of this process so far (user + system, all threads), seconds,
-/// from `/proc/self/stat` (10 ms ticks).
-fn cpu_s() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // utime and stime: the 12th and 13th fields after the command name.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .map(|x| x.parse().unwrap_or(0))
-        .collect();
-    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / 100.0
-}
-
 /// One core's memcpy rate for `CHUNK`-sized blocks, 10^6 bytes/s: what
 /// each of the stream's two copies per byte (into the send buffer, out of
 /// the receive ring) costs on this machine.
@@ -92,8 +80,8 @@ fn memcpy_mb_per_s() -> f64 {
     (rounds * CHUNK) as f64 / start.elapsed().as_secs_f64() / 1e6
 }
 
-/// Bulk transfer of `bytes` in `CHUNK` writes; returns (10^6 bytes/s,
-/// CPUs busy: process CPU time over wall time, both ends together).
+/// Sends `bytes` in `CHUNK` writes while a task reads and counts them;
+/// returns (10^6 bytes/s, CPUs busy: process CPU time over wall time, both ends together).
 async fn bulk<S, R>(mut tx: S, mut rx: R, bytes: u64) -> (f64, f64)
 where
     S: AsyncWrite + Unpin + Send + 'static,
@@ -110,7 +98,7 @@ where
         Instant::now()
     });
     let buf = vec![0xA5u8; CHUNK];
-    let cpu0 = cpu_s();
+    let cpu0 = cpu::cpu_us();
     let start = Instant::now();
     let mut sent = 0u64;
     while sent < bytes {
@@ -120,7 +108,8 @@ where
     }
     let end = reader.await.expect("reader");
     let wall = (end - start).as_secs_f64();
-    (bytes as f64 / wall / 1e6, (cpu_s() - cpu0) / wall)
+    let cpu_s = (cpu::cpu_us() - cpu0) as f64 / 1e6;
+    (bytes as f64 / wall / 1e6, cpu_s / wall)
 }
 
 /// 64-byte ping-pong; returns the RTT histogram in nanoseconds.

@@ -212,8 +212,10 @@ impl<D: Driven> Shared<D> {
         progress: fn(&mut D),
         wait: fn(&mut D) -> &mut SpinWait,
     ) -> MutexGuard<'a, D> {
-        let current_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+        let current_thread = || {
+            tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread)
+        };
         let Some(deadline) = wait(&mut st).begin(current_thread) else {
             return st;
         };

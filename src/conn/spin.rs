@@ -167,15 +167,16 @@ impl SpinWait {
     /// one in progress, after a wake-up that brought nothing) and returns
     /// until when this poll may spin (`None`: park now). The park strategy
     /// reads no clock, nor does the adaptive one off a `current_thread`
-    /// runtime (`current_thread: false`), where it parks at once. An
+    /// runtime (`current_thread()` false, asked of the adaptive strategy
+    /// only), where it parks at once. An
     /// adaptive wait does not spin while another connection of the process
     /// ended a wait within [`CONTENTION_WINDOW`] (it is still timed, to
     /// learn from).
-    pub(crate) fn begin(&mut self, current_thread: bool) -> Option<Instant> {
+    pub(crate) fn begin(&mut self, current_thread: impl FnOnce() -> bool) -> Option<Instant> {
         let budget = match self.strategy {
             WaitStrategy::Park => return None,
             WaitStrategy::Spin(d) => d,
-            WaitStrategy::Adaptive { .. } if !current_thread => return None,
+            WaitStrategy::Adaptive { .. } if !current_thread() => return None,
             WaitStrategy::Adaptive { .. } => self.learnt.budget(),
         };
         let fresh = self.current.is_none();
@@ -308,7 +309,7 @@ mod tests {
     #[test]
     fn park_strategy_never_starts_a_timed_wait() {
         let mut w = SpinWait::with_recent(WaitStrategy::Park, private_recent());
-        assert_eq!(w.begin(true), None);
+        assert_eq!(w.begin(|| true), None);
         assert_eq!(w.started(), None);
         w.parking();
         w.ready();
@@ -320,17 +321,17 @@ mod tests {
     fn a_wait_spins_only_until_it_parks_and_ends_when_ready() {
         let hour = Duration::from_secs(3600);
         let mut w = SpinWait::with_recent(WaitStrategy::Spin(hour), private_recent());
-        let deadline = w.begin(true);
+        let deadline = w.begin(|| true);
         let start = w.started().expect("a wait began");
         assert_eq!(deadline, Some(start + hour));
         // a second poll of the same wait keeps its start and deadline
-        assert_eq!(w.begin(true), Some(start + hour));
+        assert_eq!(w.begin(|| true), Some(start + hour));
         w.parking();
-        assert_eq!(w.begin(true), None, "a parked wait spins no more");
+        assert_eq!(w.begin(|| true), None, "a parked wait spins no more");
         w.ready();
         assert_eq!(w.started(), None);
         assert_eq!((w.spin_hits, w.parks), (0, 1));
-        let next = w.begin(true);
+        let next = w.begin(|| true);
         let start2 = w.started().expect("the next wait began");
         assert_eq!(next, Some(start2 + hour), "the next wait spins again");
         w.ready();
@@ -349,25 +350,25 @@ mod tests {
         let mut a = SpinWait::with_recent(adaptive, recent);
         let mut b = SpinWait::with_recent(adaptive, recent);
         // nobody waited yet: a spins its full budget
-        let da = a.begin(true);
+        let da = a.begin(|| true);
         assert_eq!(da, Some(a.started().expect("a wait began") + hour));
         a.ready();
         // a's own ended wait does not stop a from spinning again (for the
         // budget that wait taught it: about half an hour)
-        let da = a.begin(true);
+        let da = a.begin(|| true);
         assert_eq!(
             da,
             Some(a.started().expect("a wait began") + a.learnt.budget())
         );
         assert!(a.learnt.budget() > Duration::from_secs(1700));
         // but it stops b (within the window), which still times its wait
-        assert_eq!(b.begin(true), None);
+        assert_eq!(b.begin(|| true), None);
         assert!(b.started().is_some());
-        assert_eq!(b.begin(true), None, "the wait stays parked");
+        assert_eq!(b.begin(|| true), None, "the wait stays parked");
         // an explicit spin ignores other connections
         let mut c = SpinWait::with_recent(WaitStrategy::Spin(hour), recent);
         assert_eq!(
-            c.begin(true),
+            c.begin(|| true),
             Some(c.started().expect("a wait began") + hour)
         );
     }
@@ -375,7 +376,7 @@ mod tests {
     #[test]
     fn adaptive_parks_at_once_off_a_current_thread_runtime() {
         let mut w = SpinWait::with_recent(WaitStrategy::default(), private_recent());
-        assert_eq!(w.begin(false), None);
+        assert_eq!(w.begin(|| false), None);
         assert_eq!(w.started(), None, "no wait timed, no clock read");
         w.parking();
         w.ready();
@@ -383,7 +384,7 @@ mod tests {
         // an explicit spin spins on any runtime
         let hour = Duration::from_secs(3600);
         let mut s = SpinWait::with_recent(WaitStrategy::Spin(hour), private_recent());
-        assert_eq!(s.begin(false), Some(s.started().expect("timed") + hour));
+        assert_eq!(s.begin(|| false), Some(s.started().expect("timed") + hour));
     }
 
     #[test]
@@ -409,7 +410,7 @@ mod tests {
         );
         assert_eq!(w.learnt.budget(), Duration::from_secs(3600));
         for _ in 0..40 {
-            w.begin(true);
+            w.begin(|| true);
             w.ready();
         }
         // forty waits answered at once (well under a second each) pull
