@@ -83,24 +83,27 @@ pub enum WaitStrategy {
     /// Poll the CQ for up to this long (the fixed busy-poll budget of
     /// [`RdmaConfig::busy_poll`](RdmaConfig::busy_poll)), then park.
     Spin(Duration),
-    /// On a `current_thread` runtime, spin for a budget learnt from the
-    /// connection's recent waits, at most `max`, then park (the default,
-    /// with `max` = [`DEFAULT_SPIN_MAX`]); on the multi-thread runtime,
-    /// park at once. There the connection's driver task, woken on another
-    /// worker by the same completion, competes with the spinner: in the
-    /// Soft-RoCE guest spinning gained nothing there, and under CPU
-    /// contention it once took the mean round trip to 6x (benches/README.md,
-    /// "Spin, then park"); [`WaitStrategy::Spin`] spins on any runtime.
+    /// Spin for a budget learnt from the connection's recent waits, at
+    /// most `max`, then park (the default, with `max` =
+    /// [`DEFAULT_SPIN_MAX`]), on either runtime flavour. On the
+    /// multi-thread runtime this spins only since the connection's driver
+    /// task no longer wakes for the completions a reader takes (before,
+    /// it competed with the spinner on the other worker and spinning gained
+    /// nothing; benches/README.md, "Spin, then park" and "Events left to
+    /// the reader").
     ///
     /// A wait answered while spinning after `t` sets
     /// the budget toward `2t`; a parked wait that was answered within
     /// `max` raises it to twice that wait; a parked wait longer than `max`
     /// halves it, and below [`MIN_SPIN`] it is 0 (park at once) until a
-    /// wait within `max` is seen again. So a connection that goes idle
-    /// spends at most about `2 x max` of CPU time spinning in all (`max`,
-    /// `max/2`, ... over its next waits), then none; a request/response
-    /// connection whose peer answers within `max` spins about twice its
-    /// usual wait. It does not spin at all while another connection of the
+    /// wait within `max` is seen again, except that one wait in 8 at
+    /// random then spins `max` anyway (a probe): two ends of a ping-pong
+    /// that both park see each other's slow parked answers and would
+    /// otherwise never learn that both spinning answers within `max`. So a
+    /// connection that goes idle spends about `2 x max` of CPU time
+    /// spinning (`max`, `max/2`, ... over its next waits), then `max` per
+    /// 8 waits; a request/response connection whose peer answers within
+    /// `max` spins about twice its usual wait. It does not spin at all while another connection of the
     /// process ended a wait within the last millisecond: with more than
     /// one connection at work, a spin would hold up the others on its
     /// thread (on a `current_thread` server, every request of every other
@@ -319,13 +322,13 @@ impl RdmaConfig {
     /// message endpoint's `recv`) waits: park on the completion event at
     /// once, spin a fixed budget first, or (default)
     /// [`WaitStrategy::Adaptive`] with a 100 us limit
-    /// ([`DEFAULT_SPIN_MAX`]): on a `current_thread` runtime, spin about
-    /// twice the connection's recent waits while they stay under the limit
-    /// and no other connection of the process is at work, otherwise (and
-    /// on the multi-thread runtime) park at once. A spin holds the
+    /// ([`DEFAULT_SPIN_MAX`]): spin about twice the connection's recent
+    /// waits while they stay under the limit and no other connection of
+    /// the process is at work, otherwise park at once. A spin holds the
     /// task's worker thread (on a `current_thread` runtime, every other
-    /// task of it) for up to the budget; an idle connection spends at most
-    /// about twice the limit of CPU time spinning before it parks at once.
+    /// task of it) for up to the budget; an idle connection spends about
+    /// twice the limit of CPU time spinning, then the limit once per 8
+    /// waits (a probe, [`WaitStrategy::Adaptive`]).
     /// Measured in the Soft-RoCE guest: benches/README.md, "Spin, then
     /// park".
     pub fn wait_strategy(mut self, strategy: WaitStrategy) -> Self {

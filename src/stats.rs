@@ -54,6 +54,11 @@ pub struct ConnectionStats {
     /// and returned `Pending` (again after each wake-up that brought
     /// nothing).
     pub read_parks: u64,
+    /// Completion events the connection's driver task left to a reader
+    /// parked on the completion queue instead of waking for them too (on
+    /// a completion channel of the connection's own; see the README's
+    /// "How a connection waits").
+    pub events_left_to_reader: u64,
 }
 
 /// The verbs and rdma_cm objects this process holds through tokio-rdma

@@ -992,6 +992,14 @@ async fn wait_strategies_spin_or_park_as_configured() {
                     client.read_parks > 0 && server.read_parks > 0,
                     "{client:?} {server:?}"
                 );
+                // The server's driver left the events of its parked reads
+                // to the reader (its channel is its own); an event follows
+                // at least one completion.
+                assert!(
+                    server.events_left_to_reader > 0
+                        && server.events_left_to_reader <= server.completions,
+                    "{server:?}"
+                );
             }
             _ => {
                 assert_eq!(
@@ -1012,4 +1020,81 @@ async fn wait_strategies_spin_or_park_as_configured() {
             }
         }
     }
+}
+
+/// A read dropped while parked on the CQ (a `select!` that took its other
+/// branch) takes no more events; the driver, which had been leaving them to
+/// it, takes over within its tick: the client's 16 rings' worth is drained
+/// into process memory and credited back without one read, and every byte
+/// arrives intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_dropped_while_parked_leaves_progress_to_the_driver() {
+    const RING: usize = 8192;
+    const BULK: usize = 16 * RING;
+    let cfg = RdmaConfig::new()
+        .ring_size(RING as u32)
+        .recv_buffer_limit(1 << 20)
+        .wait_strategy(WaitStrategy::Park);
+    let l = bind(&cfg).await;
+    let addr = l.local_addr().unwrap();
+    let (parked_tx, parked_rx) = tokio::sync::oneshot::channel::<()>();
+    let (sent_tx, sent_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await?;
+        // Echo pings until the driver leaves events to the reader; the
+        // last echo says so (first byte 1).
+        let mut buf = [0u8; 64];
+        loop {
+            s.read_exact(&mut buf).await?;
+            let delegated = s.stats().events_left_to_reader > 0;
+            buf[0] = u8::from(delegated);
+            s.write_all(&buf).await?;
+            if delegated {
+                break;
+            }
+        }
+        let mut one = [0u8; 1];
+        tokio::select! {
+            r = s.read(&mut one) => panic!("nothing was sent yet: {r:?}"),
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+        parked_tx.send(()).expect("the client waits");
+        sent_rx.await.expect("the client wrote");
+        let mut all = Vec::new();
+        s.read_to_end(&mut all).await?;
+        Ok::<_, io::Error>(all)
+    });
+    // A small send buffer: the bulk write completes only once the server
+    // took all but 4 KiB + its ring.
+    let client_cfg = cfg.clone().send_buffer_size(4096);
+    let mut c = RdmaStream::connect_with(addr, &client_cfg).await.unwrap();
+    let mut back = [0u8; 64];
+    let mut pings = 0u32;
+    loop {
+        c.write_all(&[0u8; 64]).await.unwrap();
+        c.read_exact(&mut back).await.unwrap();
+        pings += 1;
+        if back[0] == 1 {
+            break;
+        }
+        assert!(
+            pings < 10_000,
+            "the server's driver never left an event to its reader"
+        );
+    }
+    parked_rx
+        .await
+        .expect("the server parked a read and dropped it");
+    let bulk: Vec<u8> = (0..BULK as u64).map(|i| pattern(77, i)).collect();
+    // Without the driver's rounds the server's ring stays full after the
+    // first 8 KiB and this write never completes.
+    tokio::time::timeout(Duration::from_secs(30), c.write_all(&bulk))
+        .await
+        .expect("the server's driver drained and credited without a read")
+        .expect("write");
+    sent_tx.send(()).expect("the server waits");
+    c.shutdown().await.unwrap();
+    let all = server.await.unwrap().expect("server");
+    assert_eq!(all.len(), BULK);
+    assert!(all == bulk, "the bytes arrived changed");
 }

@@ -22,6 +22,7 @@ use tracing::{Instrument, Span, debug, trace};
 use crate::error::Error;
 use crate::pool::MemoryPool;
 use crate::verbs::cm::{CmEventKind, CmId};
+use crate::verbs::events::DELEGATION_TICK;
 use crate::verbs::rc::RcQueuePair;
 
 use super::SpinWait;
@@ -212,11 +213,7 @@ impl<D: Driven> Shared<D> {
         progress: fn(&mut D),
         wait: fn(&mut D) -> &mut SpinWait,
     ) -> MutexGuard<'a, D> {
-        let current_thread = || {
-            tokio::runtime::Handle::try_current()
-                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread)
-        };
-        let Some(deadline) = wait(&mut st).begin(current_thread) else {
+        let Some(deadline) = wait(&mut st).begin() else {
             return st;
         };
         while !ready(&st) && Instant::now() < deadline {
@@ -304,6 +301,9 @@ async fn drive<D: Driven>(
 ) {
     debug!("connection established");
     let cq_events = shared.lock().qp().cq_events();
+    // A CQ with a channel of its own: events a parked reader takes can be
+    // left to it (see `Delegation`).
+    let delegation = cq_events.delegation().cloned();
     // Set once every handle is gone: the bound on delivering what is left.
     let mut linger_deadline: Option<tokio::time::Instant> = None;
     // Set once the connection failed with an ABORT still on its way.
@@ -335,6 +335,13 @@ async fn drive<D: Driven>(
         if done {
             break;
         }
+        if let Some(d) = &delegation
+            && !d.filtering()
+            && d.app_parked()
+        {
+            d.set_filtering(true);
+        }
+        let ticking = delegation.as_ref().is_some_and(|d| d.filtering());
         tokio::select! {
             // Completions: progress at the top of the loop.
             r = cq_events.take_as_driver() => if r.is_err() {
@@ -362,6 +369,22 @@ async fn drive<D: Driven>(
                 Err(source) => shared.lock().fail(Error::Verbs { op: "rdma_get_cm_event", source }),
             },
             _ = shared.notify.notified() => {}
+            // Leaving events to a parked reader: look at the connection
+            // every tick (progress at the top of the loop), and take every
+            // event again after a tick that left none.
+            _ = async {
+                if ticking {
+                    tokio::time::sleep(DELEGATION_TICK).await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
+            } => {
+                if let Some(d) = &delegation
+                    && !d.take_active()
+                {
+                    d.set_filtering(false);
+                }
+            }
             _ = async {
                 match &memory {
                     Some(pool) => {

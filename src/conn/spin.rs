@@ -6,7 +6,8 @@
 //! futex between workers); when the peer answers within a few round
 //! trips, polling the CQ until the answer lands is cheaper and faster.
 //! [`SpinBudget`] learns from the connection's recent waits how long
-//! spinning pays (no clock and no I/O here: the caller measures); the
+//! spinning pays, and while it learnt not to spin still probes one wait in
+//! [`PROBE_ONE_IN`] (no clock and no I/O here: the caller measures); the
 //! connection keeps one [`SpinWait`] for the wait in progress.
 
 use std::sync::OnceLock;
@@ -15,24 +16,60 @@ use std::time::{Duration, Instant};
 
 use crate::config::{MIN_SPIN, WaitStrategy};
 
-/// The adaptive budget (pure: the caller passes measured waits).
+/// One in this many waits of a connection whose learnt budget is zero
+/// spins the full limit anyway (a probe), at random.
+///
+/// Without probes two ends of a ping-pong that both park stay parked: each
+/// sees the other's slow, parked answers (on the multi-thread runtime in
+/// the Soft-RoCE guest, 200-400 us against a 100 us limit) and halves its
+/// budget to zero, although both spinning answer within the limit (about
+/// 70 us there). A probe of each end in the same round trip finds that
+/// out: with one in 8 per end, one round trip in 64 on average. An idle
+/// or slow connection pays one spin of the limit per 8 waits.
+pub(crate) const PROBE_ONE_IN: u64 = 8;
+
+/// The adaptive budget (pure: the caller passes measured waits and the
+/// probes' random seed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SpinBudget {
     budget: Duration,
     max: Duration,
+    /// xorshift64 state for the probes (never 0).
+    rng: u64,
 }
 
 impl SpinBudget {
     /// Starts at `max`: a fresh connection spins its first wait fully.
-    /// A `max` below [`MIN_SPIN`] never spins.
-    pub(crate) fn new(max: Duration) -> Self {
+    /// A `max` below [`MIN_SPIN`] never spins. `seed` picks the probes.
+    pub(crate) fn new(max: Duration, seed: u64) -> Self {
         let max = if max < MIN_SPIN { Duration::ZERO } else { max };
-        SpinBudget { budget: max, max }
+        SpinBudget {
+            budget: max,
+            max,
+            rng: splitmix64(seed) | 1,
+        }
     }
 
-    /// How long the next wait spins before it parks.
+    /// The learnt budget.
     pub(crate) fn budget(&self) -> Duration {
         self.budget
+    }
+
+    /// How long the next wait spins before it parks: the learnt budget,
+    /// or, while that is zero, the limit for one wait in
+    /// [`PROBE_ONE_IN`].
+    pub(crate) fn next_wait(&mut self) -> Duration {
+        if !self.budget.is_zero() || self.max.is_zero() {
+            return self.budget;
+        }
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        if self.rng % PROBE_ONE_IN == 0 {
+            self.max
+        } else {
+            Duration::ZERO
+        }
     }
 
     /// One finished wait: it took `waited` from the moment the task found
@@ -43,8 +80,13 @@ impl SpinBudget {
             return;
         }
         let twice = waited.saturating_mul(2).clamp(MIN_SPIN, self.max);
-        if !parked {
-            // Answered while spinning: move halfway toward twice the wait.
+        if !parked && twice > self.budget {
+            // Answered while spinning beyond the budget (a probe's): up
+            // to twice the wait at once.
+            self.budget = twice;
+        } else if !parked {
+            // Answered while spinning: move halfway down toward twice the
+            // wait.
             self.budget = ((self.budget + twice) / 2).max(MIN_SPIN).min(self.max);
         } else if waited <= self.max {
             // A longer spin would have caught it.
@@ -56,6 +98,14 @@ impl SpinBudget {
             }
         }
     }
+}
+
+/// splitmix64's finaliser: spreads a connection id over 64 bits.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// Within this long (1 ms) of another connection's wait ending, an
@@ -152,11 +202,12 @@ impl SpinWait {
             WaitStrategy::Adaptive { max } => max,
             _ => Duration::ZERO,
         };
+        let id = WAIT_IDS.fetch_add(1, Ordering::Relaxed);
         SpinWait {
             strategy,
-            learnt: SpinBudget::new(max),
+            learnt: SpinBudget::new(max, id ^ (u64::from(std::process::id()) << 32)),
             current: None,
-            id: WAIT_IDS.fetch_add(1, Ordering::Relaxed),
+            id,
             recent,
             spin_hits: 0,
             parks: 0,
@@ -166,18 +217,15 @@ impl SpinWait {
     /// A task found nothing to receive: starts a wait (or goes on with the
     /// one in progress, after a wake-up that brought nothing) and returns
     /// until when this poll may spin (`None`: park now). The park strategy
-    /// reads no clock, nor does the adaptive one off a `current_thread`
-    /// runtime (`current_thread()` false, asked of the adaptive strategy
-    /// only), where it parks at once. An
-    /// adaptive wait does not spin while another connection of the process
-    /// ended a wait within [`CONTENTION_WINDOW`] (it is still timed, to
-    /// learn from).
-    pub(crate) fn begin(&mut self, current_thread: impl FnOnce() -> bool) -> Option<Instant> {
+    /// reads no clock. An adaptive wait does not spin while another
+    /// connection of the process ended a wait within [`CONTENTION_WINDOW`]
+    /// (it is still timed, to learn from).
+    pub(crate) fn begin(&mut self) -> Option<Instant> {
         let budget = match self.strategy {
             WaitStrategy::Park => return None,
             WaitStrategy::Spin(d) => d,
-            WaitStrategy::Adaptive { .. } if !current_thread() => return None,
-            WaitStrategy::Adaptive { .. } => self.learnt.budget(),
+            WaitStrategy::Adaptive { .. } if self.current.is_some() => self.learnt.budget(),
+            WaitStrategy::Adaptive { .. } => self.learnt.next_wait(),
         };
         let fresh = self.current.is_none();
         let wait = self.current.get_or_insert_with(|| Wait {
@@ -240,7 +288,7 @@ mod tests {
 
     #[test]
     fn starts_at_max_and_follows_twice_a_spun_wait() {
-        let mut b = SpinBudget::new(us(50));
+        let mut b = SpinBudget::new(us(50), 1);
         assert_eq!(b.budget(), us(50));
         b.record(us(10), false);
         // halfway from 50 toward 20
@@ -254,14 +302,14 @@ mod tests {
 
     #[test]
     fn a_spun_wait_longer_than_half_max_targets_max() {
-        let mut b = SpinBudget::new(us(50));
+        let mut b = SpinBudget::new(us(50), 1);
         b.record(us(40), false);
         assert_eq!(b.budget(), us(50));
     }
 
     #[test]
     fn long_parked_waits_halve_the_budget_down_to_zero() {
-        let mut b = SpinBudget::new(us(50));
+        let mut b = SpinBudget::new(us(50), 1);
         let mut seen = Vec::new();
         for _ in 0..7 {
             b.record(us(1_000_000), true);
@@ -280,7 +328,7 @@ mod tests {
 
     #[test]
     fn a_parked_wait_within_max_restores_spinning() {
-        let mut b = SpinBudget::new(us(50));
+        let mut b = SpinBudget::new(us(50), 1);
         for _ in 0..6 {
             b.record(us(500), true);
         }
@@ -297,7 +345,7 @@ mod tests {
     #[test]
     fn a_max_below_min_spin_never_spins() {
         for max in [Duration::ZERO, Duration::from_nanos(999)] {
-            let mut b = SpinBudget::new(max);
+            let mut b = SpinBudget::new(max, 1);
             assert_eq!(b.budget(), Duration::ZERO);
             b.record(us(1), false);
             assert_eq!(b.budget(), Duration::ZERO);
@@ -309,7 +357,7 @@ mod tests {
     #[test]
     fn park_strategy_never_starts_a_timed_wait() {
         let mut w = SpinWait::with_recent(WaitStrategy::Park, private_recent());
-        assert_eq!(w.begin(|| true), None);
+        assert_eq!(w.begin(), None);
         assert_eq!(w.started(), None);
         w.parking();
         w.ready();
@@ -321,17 +369,17 @@ mod tests {
     fn a_wait_spins_only_until_it_parks_and_ends_when_ready() {
         let hour = Duration::from_secs(3600);
         let mut w = SpinWait::with_recent(WaitStrategy::Spin(hour), private_recent());
-        let deadline = w.begin(|| true);
+        let deadline = w.begin();
         let start = w.started().expect("a wait began");
         assert_eq!(deadline, Some(start + hour));
         // a second poll of the same wait keeps its start and deadline
-        assert_eq!(w.begin(|| true), Some(start + hour));
+        assert_eq!(w.begin(), Some(start + hour));
         w.parking();
-        assert_eq!(w.begin(|| true), None, "a parked wait spins no more");
+        assert_eq!(w.begin(), None, "a parked wait spins no more");
         w.ready();
         assert_eq!(w.started(), None);
         assert_eq!((w.spin_hits, w.parks), (0, 1));
-        let next = w.begin(|| true);
+        let next = w.begin();
         let start2 = w.started().expect("the next wait began");
         assert_eq!(next, Some(start2 + hour), "the next wait spins again");
         w.ready();
@@ -350,41 +398,82 @@ mod tests {
         let mut a = SpinWait::with_recent(adaptive, recent);
         let mut b = SpinWait::with_recent(adaptive, recent);
         // nobody waited yet: a spins its full budget
-        let da = a.begin(|| true);
+        let da = a.begin();
         assert_eq!(da, Some(a.started().expect("a wait began") + hour));
         a.ready();
         // a's own ended wait does not stop a from spinning again (for the
         // budget that wait taught it: about half an hour)
-        let da = a.begin(|| true);
+        let da = a.begin();
         assert_eq!(
             da,
             Some(a.started().expect("a wait began") + a.learnt.budget())
         );
         assert!(a.learnt.budget() > Duration::from_secs(1700));
         // but it stops b (within the window), which still times its wait
-        assert_eq!(b.begin(|| true), None);
+        assert_eq!(b.begin(), None);
         assert!(b.started().is_some());
-        assert_eq!(b.begin(|| true), None, "the wait stays parked");
+        assert_eq!(b.begin(), None, "the wait stays parked");
         // an explicit spin ignores other connections
         let mut c = SpinWait::with_recent(WaitStrategy::Spin(hour), recent);
-        assert_eq!(
-            c.begin(|| true),
-            Some(c.started().expect("a wait began") + hour)
-        );
+        assert_eq!(c.begin(), Some(c.started().expect("a wait began") + hour));
     }
 
     #[test]
-    fn adaptive_parks_at_once_off_a_current_thread_runtime() {
-        let mut w = SpinWait::with_recent(WaitStrategy::default(), private_recent());
-        assert_eq!(w.begin(|| false), None);
-        assert_eq!(w.started(), None, "no wait timed, no clock read");
-        w.parking();
-        w.ready();
-        assert_eq!((w.spin_hits, w.parks), (0, 1));
-        // an explicit spin spins on any runtime
-        let hour = Duration::from_secs(3600);
-        let mut s = SpinWait::with_recent(WaitStrategy::Spin(hour), private_recent());
-        assert_eq!(s.begin(|| false), Some(s.started().expect("timed") + hour));
+    fn a_zero_budget_probes_the_limit_one_wait_in_eight() {
+        let mut b = SpinBudget::new(us(100), 7);
+        // A learnt budget is used as it is, never replaced by a probe.
+        for _ in 0..100 {
+            assert_eq!(b.next_wait(), us(100));
+        }
+        for _ in 0..20 {
+            b.record(us(1000), true);
+        }
+        assert_eq!(b.budget(), Duration::ZERO);
+        let draws: Vec<Duration> = (0..8000).map(|_| b.next_wait()).collect();
+        assert!(draws.iter().all(|d| *d == us(100) || d.is_zero()));
+        let probes = draws.iter().filter(|d| !d.is_zero()).count();
+        assert!(
+            (800..=1200).contains(&probes),
+            "{probes} probes in 8000 waits"
+        );
+        // A limit below MIN_SPIN never spins, probe or not.
+        let mut never = SpinBudget::new(Duration::from_nanos(500), 7);
+        assert!((0..1000).all(|_| never.next_wait().is_zero()));
+    }
+
+    /// Two ends of a ping-pong: a round trip takes 70 us when both spin at
+    /// least that long, 300 us (both parked) otherwise. Both start parked
+    /// (budget zero); probes find the fast state and both stay there.
+    #[test]
+    fn probes_take_two_parked_ends_of_a_ping_pong_back_to_spinning() {
+        let (mut a, mut b) = (SpinBudget::new(us(100), 1), SpinBudget::new(us(100), 2));
+        for _ in 0..20 {
+            a.record(us(300), true);
+            b.record(us(300), true);
+        }
+        assert_eq!((a.budget(), b.budget()), (Duration::ZERO, Duration::ZERO));
+        let mut fast = Vec::new();
+        for _ in 0..5000 {
+            let (sa, sb) = (a.next_wait(), b.next_wait());
+            let both = sa >= us(70) && sb >= us(70);
+            let (waited, parked) = if both {
+                (us(70), false)
+            } else {
+                (us(300), true)
+            };
+            a.record(waited, parked);
+            b.record(waited, parked);
+            fast.push(both);
+        }
+        let first = fast
+            .iter()
+            .position(|f| *f)
+            .expect("the ends never both probed");
+        assert!(
+            fast[first..].iter().all(|f| *f),
+            "fell back to parking after round trip {first}"
+        );
+        assert_eq!((a.budget(), b.budget()), (us(100), us(100)));
     }
 
     #[test]
@@ -410,7 +499,7 @@ mod tests {
         );
         assert_eq!(w.learnt.budget(), Duration::from_secs(3600));
         for _ in 0..40 {
-            w.begin(|| true);
+            w.begin();
             w.ready();
         }
         // forty waits answered at once (well under a second each) pull

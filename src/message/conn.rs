@@ -550,6 +550,7 @@ impl MsgConn {
         }
         if Self::recv_ready(&st) {
             st.spin.ready();
+            st.qp.qp_ref().unpark();
         }
         if let Some(d) = st.core.poll_recv() {
             let msg = match d {

@@ -372,6 +372,7 @@ impl Conn {
         }
         if st.read_ready() {
             st.spin.ready();
+            st.qp.unpark();
         }
         let mut copied = 0;
         while buf.remaining() > 0 {
@@ -578,6 +579,7 @@ impl Conn {
         s.registered_bytes = st.qp.registered_bytes() as u64;
         s.spin_hits = st.spin.spin_hits;
         s.read_parks = st.spin.parks;
+        s.events_left_to_reader = st.qp.cq_events().delegation().map_or(0, |d| d.left());
         s
     }
 }

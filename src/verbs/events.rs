@@ -50,7 +50,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
 
@@ -171,11 +171,118 @@ fn dedicated_budget() -> usize {
     DEDICATED_CHANNELS.min(usize::try_from(nofile / 16).unwrap_or(usize::MAX))
 }
 
+/// How the driver of a CQ with a channel of its own stays out of the
+/// events an application task takes.
+///
+/// The reactor wakes every task registered on the channel for each event:
+/// a reader parked in `poll_read` (or `recv`) and the driver. The reader
+/// polls, arms and takes its data itself, so the driver's round after it
+/// finds nothing to do; on a multi-thread runtime its wake-up even moves
+/// one of the two tasks to another worker (a futex wake) and the two
+/// contend for the connection's lock. So while an application task is
+/// parked on the CQ, the driver's registration is woken through this gate,
+/// which leaves the event to that task ([`Delegation::app_parked`]) once
+/// the driver asked for it ([`Delegation::set_filtering`]).
+///
+/// Nothing waits on the application for longer than one
+/// [`DELEGATION_TICK`]: the driver, while filtering, looks at the
+/// connection every tick (a reader whose future was dropped while parked
+/// never takes its event; the tick's round takes it instead) and stops
+/// filtering after a tick in which no event was left to an application
+/// task, so an idle connection has no timer.
+#[derive(Default)]
+pub(crate) struct Delegation {
+    /// An application task is registered for the CQ's next event.
+    app_parked: AtomicBool,
+    /// The driver leaves events to a parked application task.
+    filtering: AtomicBool,
+    /// An event was left to an application task since the driver's last
+    /// look ([`Delegation::take_active`]).
+    active: AtomicBool,
+    /// Events left to application tasks, for the connection's statistics
+    /// and the tests.
+    left: AtomicU64,
+    /// The driver task's own waker.
+    driver: Mutex<Option<Waker>>,
+}
+
+/// How often a driver that leaves completion events to a parked reader
+/// looks at the connection itself: the bound on how long receive progress
+/// (draining the ring, returning credit) can wait for a reader that
+/// stopped polling while parked, and the cost of delegation on a busy
+/// connection (200 timer wake-ups per second, where each event woke the
+/// driver before).
+pub(crate) const DELEGATION_TICK: std::time::Duration = std::time::Duration::from_millis(5);
+
+impl Delegation {
+    /// Whether an application task is registered for the CQ's next event.
+    pub(crate) fn app_parked(&self) -> bool {
+        self.app_parked.load(Ordering::Acquire)
+    }
+
+    /// An application task stopped waiting on the CQ (it took an event or
+    /// found work without one).
+    pub(crate) fn unpark(&self) {
+        if self.app_parked.load(Ordering::Relaxed) {
+            self.app_parked.store(false, Ordering::Release);
+        }
+    }
+
+    /// The driver leaves events to parked application tasks (`true`) or
+    /// takes every event itself (`false`).
+    pub(crate) fn set_filtering(&self, on: bool) {
+        self.filtering.store(on, Ordering::Release);
+    }
+
+    /// Whether the driver leaves events to parked application tasks.
+    pub(crate) fn filtering(&self) -> bool {
+        self.filtering.load(Ordering::Acquire)
+    }
+
+    /// Whether an event was left to an application task since the last
+    /// call.
+    pub(crate) fn take_active(&self) -> bool {
+        self.active.swap(false, Ordering::AcqRel)
+    }
+
+    /// Events left to application tasks so far.
+    pub(crate) fn left(&self) -> u64 {
+        self.left.load(Ordering::Relaxed)
+    }
+
+    /// The gate's decision for one wake-up of the driver's registration:
+    /// `true` to wake the driver.
+    fn pass(&self) -> bool {
+        if self.filtering.load(Ordering::Acquire) && self.app_parked.load(Ordering::Acquire) {
+            self.active.store(true, Ordering::Release);
+            self.left.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+}
+
+impl std::task::Wake for Delegation {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if self.pass() {
+            let w = lock(&self.driver).take();
+            if let Some(w) = w {
+                w.wake();
+            }
+        }
+    }
+}
+
 /// Where one CQ's completion events arrive (see the module docs).
 pub(crate) enum CqEvents {
     /// A channel of the CQ's own on the reactor.
     Own {
         fd: AsyncFd<ChannelFd>,
+        delegation: Arc<Delegation>,
         _slot: DedicatedSlot,
         _counted: Counted,
     },
@@ -221,6 +328,7 @@ impl CqEvents {
                 Ok(fd) => {
                     return Ok(CqEvents::Own {
                         fd,
+                        delegation: Arc::default(),
                         _slot: slot,
                         _counted: Counted::new(Kind::CompletionChannel),
                     });
@@ -242,8 +350,15 @@ impl CqEvents {
         match self {
             // The reactor's waiter list, not the `poll_read_ready` slot,
             // which keeps one task: the reader's.
-            CqEvents::Own { fd, .. } => {
-                let mut guard = fd.readable().await?;
+            CqEvents::Own { fd, delegation, .. } => {
+                // Registered through the gate (see [`Delegation`]).
+                let gate = Waker::from(Arc::clone(delegation));
+                let mut readable = std::pin::pin!(fd.readable());
+                let mut guard = std::future::poll_fn(|cx| {
+                    *lock(&delegation.driver) = Some(cx.waker().clone());
+                    readable.as_mut().poll(&mut Context::from_waker(&gate))
+                })
+                .await?;
                 drain(fd.get_ref().0.as_ref(), |_| {});
                 guard.clear_ready();
                 Ok(())
@@ -255,19 +370,40 @@ impl CqEvents {
         }
     }
 
+    /// The driver's gate on a channel of the CQ's own (`None` on the
+    /// runtime's shared channel, whose driver takes every event).
+    pub(crate) fn delegation(&self) -> Option<&Arc<Delegation>> {
+        match self {
+            CqEvents::Own { delegation, .. } => Some(delegation),
+            CqEvents::Shared { .. } => None,
+        }
+    }
+
+    /// An application task found work without taking an event: it is not
+    /// parked on the CQ (any more).
+    pub(crate) fn unpark(&self) {
+        if let Some(d) = self.delegation() {
+            d.unpark();
+        }
+    }
+
     /// For an application task: Ready once an event came (taken and
     /// acknowledged), else registered and Pending. An error (the channel
     /// left the reactor) is the driver's to report.
     pub(crate) fn poll_take(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self {
-            CqEvents::Own { fd, .. } => match fd.poll_read_ready(cx) {
+            CqEvents::Own { fd, delegation, .. } => match fd.poll_read_ready(cx) {
                 Poll::Ready(Ok(mut guard)) => {
+                    delegation.unpark();
                     drain(fd.get_ref().0.as_ref(), |_| {});
                     guard.clear_ready();
                     Poll::Ready(Ok(()))
                 }
                 Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-                Poll::Pending => Poll::Pending,
+                Poll::Pending => {
+                    delegation.app_parked.store(true, Ordering::Release);
+                    Poll::Pending
+                }
             },
             CqEvents::Shared { signal, .. } => signal.poll_take(cx, false).map(Ok),
         }
@@ -842,7 +978,7 @@ async fn dispatch(hub: Arc<CqHub>) {
 
 #[cfg(test)]
 mod tests {
-    use super::{CqSignal, at_half};
+    use super::{CqSignal, Delegation, at_half, lock};
     use std::sync::{Arc, Mutex};
     use std::task::{Context, Poll, Wake, Waker};
 
@@ -916,5 +1052,49 @@ mod tests {
         assert_eq!(order.lock().unwrap()[5], "driver");
         assert_eq!(take(&s, &driver, true), Poll::Ready(()));
         assert_eq!(take(&s, &writer, false), Poll::Pending);
+    }
+
+    #[test]
+    fn the_gate_leaves_an_event_to_a_parked_reader_only_while_the_driver_filters() {
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let d = Arc::new(Delegation::default());
+        let gate = Waker::from(Arc::clone(&d));
+        let event = |d: &Arc<Delegation>| {
+            *lock(&d.driver) = Some(waker("driver", &order));
+            gate.wake_by_ref();
+        };
+        // Not filtering: every event wakes the driver, parked reader or not.
+        d.app_parked
+            .store(true, std::sync::atomic::Ordering::Release);
+        event(&d);
+        assert_eq!(order.lock().unwrap().len(), 1);
+        // Filtering, no reader parked: the driver is woken.
+        d.set_filtering(true);
+        d.unpark();
+        assert!(!d.app_parked());
+        event(&d);
+        assert_eq!(order.lock().unwrap().len(), 2);
+        assert!(!d.take_active());
+        // Filtering with a parked reader: left to it, counted, once active.
+        d.app_parked
+            .store(true, std::sync::atomic::Ordering::Release);
+        event(&d);
+        event(&d);
+        assert_eq!(order.lock().unwrap().len(), 2);
+        assert_eq!(d.left(), 2);
+        assert!(d.take_active());
+        assert!(!d.take_active());
+        // The reader took its event: the next one wakes the driver again.
+        d.unpark();
+        event(&d);
+        assert_eq!(*order.lock().unwrap(), ["driver", "driver", "driver"]);
+        assert_eq!(d.left(), 2);
+        // A driver that stopped filtering is woken with a reader parked.
+        d.set_filtering(false);
+        d.app_parked
+            .store(true, std::sync::atomic::Ordering::Release);
+        event(&d);
+        assert_eq!(order.lock().unwrap().len(), 4);
+        assert_eq!(d.left(), 2);
     }
 }

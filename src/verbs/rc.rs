@@ -1195,6 +1195,12 @@ impl RcQueuePair {
     pub(crate) fn cq_events(&self) -> Arc<CqEvents> {
         Arc::clone(&self.events)
     }
+
+    /// An application task that waited on the CQ found work: the driver
+    /// no longer leaves events to it ([`CqEvents::unpark`]).
+    pub(crate) fn unpark(&self) {
+        self.events.unpark();
+    }
 }
 
 impl AsMut<RcQueuePair> for RcQueuePair {
