@@ -86,11 +86,13 @@ pub enum WaitStrategy {
     /// Spin for a budget learnt from the connection's recent waits, at
     /// most `max`, then park (the default, with `max` =
     /// [`DEFAULT_SPIN_MAX`]), on either runtime flavour. On the
-    /// multi-thread runtime this spins only since the connection's driver
-    /// task no longer wakes for the completions a reader takes (before,
-    /// it competed with the spinner on the other worker and spinning gained
-    /// nothing; benches/README.md, "Spin, then park" and "Events left to
-    /// the reader").
+    /// multi-thread runtime this pays since the driver task of a
+    /// connection with a completion channel of its own (the first 64 of a
+    /// process) no longer wakes for the completions a parked reader takes:
+    /// before, it competed with the spinner on the other worker and
+    /// spinning gained nothing (benches/README.md, "Spin, then park" and
+    /// "Events left to the reader"). A connection on the runtime's shared
+    /// channel still wakes its driver for every event.
     ///
     /// A wait answered while spinning after `t` sets
     /// the budget toward `2t`; a parked wait that was answered within

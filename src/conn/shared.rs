@@ -335,18 +335,28 @@ async fn drive<D: Driven>(
         if done {
             break;
         }
+        // With no handle left no reader will come: take every event.
         if let Some(d) = &delegation
-            && !d.filtering()
-            && d.app_parked()
+            && shared.handles() == 0
         {
-            d.set_filtering(true);
+            d.set_filtering(false);
         }
         let ticking = delegation.as_ref().is_some_and(|d| d.filtering());
         tokio::select! {
-            // Completions: progress at the top of the loop.
-            r = cq_events.take_as_driver() => if r.is_err() {
-                shared.lock().fail(Error::Internal("the completion channel left the reactor".into()));
-                break;
+            // Completions: progress at the top of the loop. An event that
+            // reached the driver while a reader is parked on the CQ starts
+            // leaving the next ones to it.
+            r = cq_events.take_as_driver() => {
+                if r.is_err() {
+                    shared.lock().fail(Error::Internal("the completion channel left the reactor".into()));
+                    break;
+                }
+                if let Some(d) = &delegation
+                    && d.app_parked()
+                    && shared.handles() > 0
+                {
+                    d.set_filtering(true);
+                }
             },
             ev = id.next_event() => match ev {
                 Ok(ev) => {
@@ -370,8 +380,10 @@ async fn drive<D: Driven>(
             },
             _ = shared.notify.notified() => {}
             // Leaving events to a parked reader: look at the connection
-            // every tick (progress at the top of the loop), and take every
-            // event again after a tick that left none.
+            // every tick (progress at the top of the loop); take every
+            // event again after a tick that left none (idle: no more
+            // ticks) or whose left events no reader took (a read dropped
+            // while parked).
             _ = async {
                 if ticking {
                     tokio::time::sleep(DELEGATION_TICK).await;
@@ -379,10 +391,8 @@ async fn drive<D: Driven>(
                     std::future::pending::<()>().await;
                 }
             } => {
-                if let Some(d) = &delegation
-                    && !d.take_active()
-                {
-                    d.set_filtering(false);
+                if let Some(d) = &delegation {
+                    d.on_tick();
                 }
             }
             _ = async {

@@ -81,8 +81,8 @@ impl SpinBudget {
         }
         let twice = waited.saturating_mul(2).clamp(MIN_SPIN, self.max);
         if !parked && twice > self.budget {
-            // Answered while spinning beyond the budget (a probe's): up
-            // to twice the wait at once.
+            // Answered after more than half the budget (or beyond it, a
+            // probe's): up to twice the wait at once.
             self.budget = twice;
         } else if !parked {
             // Answered while spinning: move halfway down toward twice the

@@ -216,8 +216,9 @@ impl StreamState {
     }
 
     /// Progress for a task about to read: arrived bytes stay in the ring
-    /// for it to copy straight into its buffer (the driver, which runs on
-    /// every completion event too, drains what the reader leaves).
+    /// for it to copy straight into its buffer (the driver drains what the
+    /// reader leaves when its own round comes: on an event the reader did
+    /// not take, or its tick, see `Delegation`).
     fn progress_reading(&mut self) {
         let mut scratch = std::mem::take(&mut self.scratch);
         self.progress_with(&mut scratch, false);

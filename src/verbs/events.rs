@@ -184,12 +184,14 @@ fn dedicated_budget() -> usize {
 /// which leaves the event to that task ([`Delegation::app_parked`]) once
 /// the driver asked for it ([`Delegation::set_filtering`]).
 ///
-/// Nothing waits on the application for longer than one
-/// [`DELEGATION_TICK`]: the driver, while filtering, looks at the
-/// connection every tick (a reader whose future was dropped while parked
-/// never takes its event; the tick's round takes it instead) and stops
-/// filtering after a tick in which no event was left to an application
-/// task, so an idle connection has no timer.
+/// The driver starts filtering when an event reaches it while a reader is
+/// parked, and while it filters it looks at the connection every
+/// [`DELEGATION_TICK`] ([`Delegation::on_tick`]): it stops after a tick in
+/// which no event was left (the connection went idle: no timer then), and
+/// after one whose left events no reader took (a reader whose future was
+/// dropped while parked never takes them; the tick's round does, and the
+/// stale parked flag is forgotten). So nothing waits on a reader that
+/// is gone for longer than about two ticks.
 #[derive(Default)]
 pub(crate) struct Delegation {
     /// An application task is registered for the CQ's next event.
@@ -197,8 +199,10 @@ pub(crate) struct Delegation {
     /// The driver leaves events to a parked application task.
     filtering: AtomicBool,
     /// An event was left to an application task since the driver's last
-    /// look ([`Delegation::take_active`]).
+    /// tick ([`Delegation::on_tick`]).
     active: AtomicBool,
+    /// An application task took an event since the driver's last tick.
+    taken: AtomicBool,
     /// Events left to application tasks, for the connection's statistics
     /// and the tests.
     left: AtomicU64,
@@ -207,11 +211,11 @@ pub(crate) struct Delegation {
 }
 
 /// How often a driver that leaves completion events to a parked reader
-/// looks at the connection itself: the bound on how long receive progress
-/// (draining the ring, returning credit) can wait for a reader that
-/// stopped polling while parked, and the cost of delegation on a busy
-/// connection (200 timer wake-ups per second, where each event woke the
-/// driver before).
+/// looks at the connection itself: about half the bound on how long
+/// progress (draining the ring, returning credit, waking blocked writers)
+/// can wait for a reader that stopped polling while parked, and the cost
+/// of delegation on a busy connection (200 timer wake-ups per second,
+/// where each event woke the driver before).
 pub(crate) const DELEGATION_TICK: std::time::Duration = std::time::Duration::from_millis(5);
 
 impl Delegation {
@@ -223,9 +227,13 @@ impl Delegation {
     /// An application task stopped waiting on the CQ (it took an event or
     /// found work without one).
     pub(crate) fn unpark(&self) {
-        if self.app_parked.load(Ordering::Relaxed) {
-            self.app_parked.store(false, Ordering::Release);
-        }
+        self.app_parked.store(false, Ordering::Release);
+    }
+
+    /// An application task took an event.
+    fn took(&self) {
+        self.taken.store(true, Ordering::Release);
+        self.unpark();
     }
 
     /// The driver leaves events to parked application tasks (`true`) or
@@ -239,10 +247,21 @@ impl Delegation {
         self.filtering.load(Ordering::Acquire)
     }
 
-    /// Whether an event was left to an application task since the last
-    /// call.
-    pub(crate) fn take_active(&self) -> bool {
-        self.active.swap(false, Ordering::AcqRel)
+    /// The driver's tick while filtering: it goes on filtering only if
+    /// events were left to application tasks since the last tick and one
+    /// of them was taken. Otherwise it stops (the next event wakes it
+    /// again): after a tick that left nothing the connection is idle, and
+    /// one whose events nobody took has a stale parked reader (its read
+    /// was dropped while parked), which is forgotten.
+    pub(crate) fn on_tick(&self) {
+        let left = self.active.swap(false, Ordering::AcqRel);
+        let taken = self.taken.swap(false, Ordering::AcqRel);
+        if left && !taken {
+            self.unpark();
+        }
+        if !(left && taken) {
+            self.set_filtering(false);
+        }
     }
 
     /// Events left to application tasks so far.
@@ -394,7 +413,7 @@ impl CqEvents {
         match self {
             CqEvents::Own { fd, delegation, .. } => match fd.poll_read_ready(cx) {
                 Poll::Ready(Ok(mut guard)) => {
-                    delegation.unpark();
+                    delegation.took();
                     drain(fd.get_ref().0.as_ref(), |_| {});
                     guard.clear_ready();
                     Poll::Ready(Ok(()))
@@ -979,6 +998,7 @@ async fn dispatch(hub: Arc<CqHub>) {
 #[cfg(test)]
 mod tests {
     use super::{CqSignal, Delegation, at_half, lock};
+    use std::sync::atomic::Ordering;
     use std::sync::{Arc, Mutex};
     use std::task::{Context, Poll, Wake, Waker};
 
@@ -1063,38 +1083,47 @@ mod tests {
             *lock(&d.driver) = Some(waker("driver", &order));
             gate.wake_by_ref();
         };
+        let park = |d: &Delegation| d.app_parked.store(true, Ordering::Release);
         // Not filtering: every event wakes the driver, parked reader or not.
-        d.app_parked
-            .store(true, std::sync::atomic::Ordering::Release);
+        park(&d);
         event(&d);
         assert_eq!(order.lock().unwrap().len(), 1);
         // Filtering, no reader parked: the driver is woken.
         d.set_filtering(true);
         d.unpark();
-        assert!(!d.app_parked());
         event(&d);
         assert_eq!(order.lock().unwrap().len(), 2);
-        assert!(!d.take_active());
-        // Filtering with a parked reader: left to it, counted, once active.
-        d.app_parked
-            .store(true, std::sync::atomic::Ordering::Release);
+        assert_eq!(d.left(), 0);
+        // Filtering with a parked reader: left to it and counted.
+        park(&d);
         event(&d);
         event(&d);
         assert_eq!(order.lock().unwrap().len(), 2);
         assert_eq!(d.left(), 2);
-        assert!(d.take_active());
-        assert!(!d.take_active());
-        // The reader took its event: the next one wakes the driver again.
-        d.unpark();
+        // The reader took an event: the tick goes on filtering, and the
+        // next event (the reader not parked) wakes the driver.
+        d.took();
+        assert!(!d.app_parked());
+        d.on_tick();
+        assert!(d.filtering());
         event(&d);
         assert_eq!(*order.lock().unwrap(), ["driver", "driver", "driver"]);
-        assert_eq!(d.left(), 2);
-        // A driver that stopped filtering is woken with a reader parked.
-        d.set_filtering(false);
-        d.app_parked
-            .store(true, std::sync::atomic::Ordering::Release);
+        // A tick that left nothing: idle, the driver stops filtering.
+        d.on_tick();
+        assert!(!d.filtering());
+        park(&d);
         event(&d);
         assert_eq!(order.lock().unwrap().len(), 4);
         assert_eq!(d.left(), 2);
+        // Events left that no reader took (its read was dropped while
+        // parked): the tick forgets the parked reader and stops filtering.
+        d.set_filtering(true);
+        event(&d);
+        assert_eq!((order.lock().unwrap().len(), d.left()), (4, 3));
+        d.on_tick();
+        assert!(!d.filtering());
+        assert!(!d.app_parked());
+        event(&d);
+        assert_eq!(order.lock().unwrap().len(), 5);
     }
 }
