@@ -187,7 +187,8 @@ fn dedicated_budget() -> usize {
 /// The driver starts filtering when an event reaches it while a reader is
 /// parked, and while it filters it looks at the connection every
 /// [`DELEGATION_TICK`] ([`Delegation::on_tick`]): it stops after a tick in
-/// which no event was left (the connection went idle: no timer then), and
+/// which no event was left and no read found data (the connection went
+/// idle: no timer then), and
 /// after one whose left events no reader took (a reader whose future was
 /// dropped while parked never takes them; the tick's round does, and the
 /// stale parked flag is forgotten). So nothing waits on a reader that
@@ -203,6 +204,9 @@ pub(crate) struct Delegation {
     active: AtomicBool,
     /// An application task took an event since the driver's last tick.
     taken: AtomicBool,
+    /// A reader found work without taking an event (it spun, or the data
+    /// was there) since the driver's last tick.
+    reading: AtomicBool,
     /// Events left to application tasks, for the connection's statistics
     /// and the tests.
     left: AtomicU64,
@@ -224,16 +228,17 @@ impl Delegation {
         self.app_parked.load(Ordering::Acquire)
     }
 
-    /// An application task stopped waiting on the CQ (it took an event or
-    /// found work without one).
+    /// A reader found work (with or without taking an event): it is not
+    /// parked on the CQ (any more).
     pub(crate) fn unpark(&self) {
         self.app_parked.store(false, Ordering::Release);
+        self.reading.store(true, Ordering::Release);
     }
 
     /// An application task took an event.
     fn took(&self) {
         self.taken.store(true, Ordering::Release);
-        self.unpark();
+        self.app_parked.store(false, Ordering::Release);
     }
 
     /// The driver leaves events to parked application tasks (`true`) or
@@ -247,19 +252,22 @@ impl Delegation {
         self.filtering.load(Ordering::Acquire)
     }
 
-    /// The driver's tick while filtering: it goes on filtering only if
-    /// events were left to application tasks since the last tick and one
-    /// of them was taken. Otherwise it stops (the next event wakes it
-    /// again): after a tick that left nothing the connection is idle, and
-    /// one whose events nobody took has a stale parked reader (its read
-    /// was dropped while parked), which is forgotten.
+    /// The driver's tick while filtering: it goes on filtering if events
+    /// were left to application tasks since the last tick and one of them
+    /// was taken, or if none was left but a reader found work (a spin
+    /// answered it: the connection is busy). Otherwise it stops (the next
+    /// event wakes it again): after a tick in which nothing happened the
+    /// connection is idle, and one whose left events nobody took has a
+    /// stale parked reader (its read was dropped while parked), which is
+    /// forgotten.
     pub(crate) fn on_tick(&self) {
         let left = self.active.swap(false, Ordering::AcqRel);
         let taken = self.taken.swap(false, Ordering::AcqRel);
+        let reading = self.reading.swap(false, Ordering::AcqRel);
         if left && !taken {
-            self.unpark();
+            self.app_parked.store(false, Ordering::Release);
         }
-        if !(left && taken) {
+        if !(if left { taken } else { reading }) {
             self.set_filtering(false);
         }
     }
@@ -1108,7 +1116,12 @@ mod tests {
         assert!(d.filtering());
         event(&d);
         assert_eq!(*order.lock().unwrap(), ["driver", "driver", "driver"]);
-        // A tick that left nothing: idle, the driver stops filtering.
+        // A tick that left nothing while the reader found its data (a
+        // spin answered it): busy, the driver goes on filtering.
+        d.unpark();
+        d.on_tick();
+        assert!(d.filtering());
+        // A tick in which nothing happened: idle, the driver stops.
         d.on_tick();
         assert!(!d.filtering());
         park(&d);
