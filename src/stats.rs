@@ -57,7 +57,7 @@ pub struct ConnectionStats {
     /// Completion events the connection's driver task left to a reader
     /// parked on the completion queue instead of waking for them too (on
     /// a completion channel of the connection's own; see the README's
-    /// "How a connection waits").
+    /// design notes on the driver task).
     pub events_left_to_reader: u64,
 }
 

@@ -335,7 +335,9 @@ async fn drive<D: Driven>(
         if done {
             break;
         }
-        // With no handle left no reader will come: take every event.
+        // With no handle left no reader will come: take every event (this
+        // runs before every wait, so an event that turned leaving on after
+        // the last handle dropped is undone before the driver waits).
         if let Some(d) = &delegation
             && shared.handles() == 0
         {
@@ -353,7 +355,6 @@ async fn drive<D: Driven>(
                 }
                 if let Some(d) = &delegation
                     && d.app_parked()
-                    && shared.handles() > 0
                 {
                     d.set_filtering(true);
                 }

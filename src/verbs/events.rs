@@ -199,17 +199,16 @@ pub(crate) struct Delegation {
     app_parked: AtomicBool,
     /// The driver leaves events to a parked application task.
     filtering: AtomicBool,
-    /// An event was left to an application task since the driver's last
-    /// tick ([`Delegation::on_tick`]).
-    active: AtomicBool,
     /// An application task took an event since the driver's last tick.
     taken: AtomicBool,
     /// A reader found work without taking an event (it spun, or the data
     /// was there) since the driver's last tick.
     reading: AtomicBool,
-    /// Events left to application tasks, for the connection's statistics
-    /// and the tests.
+    /// Events left to application tasks (the connection's statistics).
     left: AtomicU64,
+    /// `left` at the driver's last tick ([`Delegation::on_tick`]): an
+    /// event was left since if it differs.
+    left_at_tick: AtomicU64,
     /// The driver task's own waker.
     driver: Mutex<Option<Waker>>,
 }
@@ -261,7 +260,8 @@ impl Delegation {
     /// stale parked reader (its read was dropped while parked), which is
     /// forgotten.
     pub(crate) fn on_tick(&self) {
-        let left = self.active.swap(false, Ordering::AcqRel);
+        let now = self.left.load(Ordering::Acquire);
+        let left = self.left_at_tick.swap(now, Ordering::AcqRel) != now;
         let taken = self.taken.swap(false, Ordering::AcqRel);
         let reading = self.reading.swap(false, Ordering::AcqRel);
         if left && !taken {
@@ -274,15 +274,14 @@ impl Delegation {
 
     /// Events left to application tasks so far.
     pub(crate) fn left(&self) -> u64 {
-        self.left.load(Ordering::Relaxed)
+        self.left.load(Ordering::Acquire)
     }
 
     /// The gate's decision for one wake-up of the driver's registration:
     /// `true` to wake the driver.
     fn pass(&self) -> bool {
         if self.filtering.load(Ordering::Acquire) && self.app_parked.load(Ordering::Acquire) {
-            self.active.store(true, Ordering::Release);
-            self.left.fetch_add(1, Ordering::Relaxed);
+            self.left.fetch_add(1, Ordering::AcqRel);
             return false;
         }
         true
