@@ -115,6 +115,10 @@ enum Cmd {
         /// Requests are messages on a MessageEndpoint (server `--message`).
         #[arg(long)]
         message: bool,
+        /// Print the RDMA stream's `ConnectionStats` to stderr after the
+        /// measured requests.
+        #[arg(long)]
+        stats: bool,
     },
     /// Every case, each in a fresh server process, plus perftest.
     Suite {
@@ -329,7 +333,8 @@ async fn closed_loop_messages(
 }
 
 /// K requests of `size` bytes in flight until `warmup + requests` came
-/// back; the last `requests` are timed.
+/// back; the last `requests` are timed. `stats`: print the RDMA stream's
+/// counters to stderr afterwards.
 async fn closed_loop(
     addr: TransportAddr,
     cfg: RdmaConfig,
@@ -337,6 +342,7 @@ async fn closed_loop(
     in_flight: usize,
     requests: u64,
     warmup: u64,
+    stats: bool,
 ) -> std::io::Result<Run> {
     let mut s = Stream::connect_with(&addr, &cfg).await?;
     s.set_nodelay(true)?;
@@ -401,6 +407,9 @@ async fn closed_loop(
         secs: start.elapsed().as_secs_f64(),
         cpu_us: cpu_us() - cpu0,
     };
+    if let (true, Stream::Rdma(r)) = (stats, &s) {
+        eprintln!("client stream after {total} round trips: {:?}", r.stats());
+    }
     s.shutdown().await?;
     let mut rest = Vec::new();
     s.read_to_end(&mut rest).await?;
@@ -441,6 +450,7 @@ fn main() -> std::process::ExitCode {
             ring_size,
             share_cq,
             message,
+            stats,
         } => {
             let cfg = config(wait, ring_size, share_cq);
             let rt = runtime(flavor);
@@ -449,7 +459,9 @@ fn main() -> std::process::ExitCode {
                     addr, cfg, size, in_flight, requests, warmup,
                 ))
             } else {
-                rt.block_on(closed_loop(addr, cfg, size, in_flight, requests, warmup))
+                rt.block_on(closed_loop(
+                    addr, cfg, size, in_flight, requests, warmup, stats,
+                ))
             };
             match run {
                 Ok(r) => {

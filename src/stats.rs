@@ -59,6 +59,14 @@ pub struct ConnectionStats {
     /// a completion channel of the connection's own; see the README's
     /// design notes on the driver task).
     pub events_left_to_reader: u64,
+    /// Times a task (an application call or the driver) found the
+    /// connection's lock held by another thread and waited for it: on the
+    /// multi-thread runtime, two workers working on one connection at once.
+    pub lock_waits: u64,
+    /// Times the connection's driver task woke up (a completion event it
+    /// did not leave to a reader, an rdma_cm event, a timer, a nudge from
+    /// an application task).
+    pub driver_wakeups: u64,
 }
 
 /// The verbs and rdma_cm objects this process holds through tokio-rdma

@@ -62,6 +62,11 @@ impl WakerList {
     pub(crate) fn len(&self) -> usize {
         self.0.len()
     }
+
+    /// Whether no task is registered.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// What a kind of endpoint (byte stream, message endpoint) gives the
@@ -122,6 +127,26 @@ pub(crate) trait Driven: Send + 'static {
         }
     }
 
+    /// Whether the CQ may be armed for solicited completions only (see
+    /// [`RcQueuePair::arm`]): no application task waits for one of this
+    /// side's send completions, and the driver does not either (closing,
+    /// a failure, a keepalive probe in flight). Then the peer's data and
+    /// control messages wake a parked reader, and its own send
+    /// completions, polled with the next receive, wake nobody (on a
+    /// parked ping-pong they were one extra wake-up per round trip, see
+    /// benches/README.md). Default: every completion raises the event.
+    fn solicited_events_suffice(&self) -> bool {
+        false
+    }
+
+    /// Send completions are due that a CQ armed for solicited events only
+    /// does not announce: the driver looks again after
+    /// [`DELEGATION_TICK`] (an idle connection gives back its send buffer
+    /// then).
+    fn completions_unannounced(&self) -> bool {
+        false
+    }
+
     /// The pool whose returned memory progress is waiting for, if any.
     fn waiting_for_memory(&self) -> Option<MemoryPool> {
         None
@@ -144,7 +169,7 @@ pub(crate) trait Driven: Send + 'static {
         Self: Sized,
     {
         progress(self);
-        if let Err(e) = self.qp().arm() {
+        if let Err(e) = self.qp().arm(self.solicited_events_suffice()) {
             self.fail(e);
         }
         progress(self);
@@ -161,6 +186,10 @@ pub(crate) struct Shared<D> {
     failure_nudged: AtomicBool,
     /// Live application handles (a stream or a half, an endpoint or a clone).
     handles: AtomicUsize,
+    /// Times [`Shared::lock`] found the lock held and waited.
+    lock_waits: AtomicU64,
+    /// Times the driver woke up.
+    driver_wakeups: AtomicU64,
     /// Set (`true`) once the driver has disconnected.
     closed: watch::Sender<bool>,
     /// The local address (IP and rdma_cm port).
@@ -179,7 +208,23 @@ impl<D: Driven> Shared<D> {
     /// Locks the state (a poisoned lock is taken over: the state is kept
     /// consistent at every await-free step).
     pub(crate) fn lock(&self) -> MutexGuard<'_, D> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        match self.state.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                self.lock_waits.fetch_add(1, Ordering::Relaxed);
+                self.state.lock().unwrap_or_else(|p| p.into_inner())
+            }
+        }
+    }
+
+    /// Times a task found the lock held and waited, and times the driver
+    /// woke up (`ConnectionStats::lock_waits`, `driver_wakeups`).
+    pub(crate) fn contention(&self) -> (u64, u64) {
+        (
+            self.lock_waits.load(Ordering::Relaxed),
+            self.driver_wakeups.load(Ordering::Relaxed),
+        )
     }
 
     /// Live application handles.
@@ -272,6 +317,8 @@ pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
         notify: Notify::new(),
         failure_nudged: AtomicBool::new(false),
         handles: AtomicUsize::new(1),
+        lock_waits: AtomicU64::new(0),
+        driver_wakeups: AtomicU64::new(0),
         closed: watch::Sender::new(false),
         local_addr,
         peer_addr,
@@ -308,8 +355,13 @@ async fn drive<D: Driven>(
     let mut linger_deadline: Option<tokio::time::Instant> = None;
     // Set once the connection failed with an ABORT still on its way.
     let mut abort_deadline: Option<tokio::time::Instant> = None;
+    let mut woken = false;
     loop {
-        let (done, memory) = {
+        if woken {
+            shared.driver_wakeups.fetch_add(1, Ordering::Relaxed);
+        }
+        woken = true;
+        let (done, memory, unannounced) = {
             let mut st = shared.lock();
             st.progress_and_arm();
             let orphaned = shared.handles() == 0;
@@ -330,6 +382,7 @@ async fn drive<D: Driven>(
             (
                 (orphaned && st.finished()) || failed,
                 st.waiting_for_memory(),
+                st.completions_unannounced(),
             )
         };
         if done {
@@ -343,20 +396,15 @@ async fn drive<D: Driven>(
         {
             d.set_filtering(false);
         }
-        let ticking = delegation.as_ref().is_some_and(|d| d.filtering());
+        let ticking = unannounced || delegation.as_ref().is_some_and(|d| d.filtering());
         tokio::select! {
-            // Completions: progress at the top of the loop. An event that
-            // reached the driver while a reader is parked on the CQ starts
-            // leaving the next ones to it.
+            // Completions: progress at the top of the loop. (An event that
+            // came while a reader was parked on the CQ turned filtering on
+            // at the gate: the next ones are left to the reader.)
             r = cq_events.take_as_driver() => {
                 if r.is_err() {
                     shared.lock().fail(Error::Internal("the completion channel left the reactor".into()));
                     break;
-                }
-                if let Some(d) = &delegation
-                    && d.app_parked()
-                {
-                    d.set_filtering(true);
                 }
             },
             ev = id.next_event() => match ev {
@@ -380,11 +428,11 @@ async fn drive<D: Driven>(
                 Err(source) => shared.lock().fail(Error::Verbs { op: "rdma_get_cm_event", source }),
             },
             _ = shared.notify.notified() => {}
-            // Leaving events to a parked reader: look at the connection
-            // every tick (progress at the top of the loop); take every
-            // event again after a tick that left none (idle: no more
-            // ticks) or whose left events no reader took (a read dropped
-            // while parked).
+            // Leaving events to a parked reader, or send completions due
+            // that no event announces: look at the connection every tick
+            // (progress at the top of the loop). Take every event again
+            // after a tick that left none (idle: no more ticks) or whose
+            // left events no reader took (a read dropped while parked).
             _ = async {
                 if ticking {
                     tokio::time::sleep(DELEGATION_TICK).await;

@@ -13,7 +13,7 @@
 //! | offset | size | field        | value                                              |
 //! |-------:|-----:|--------------|----------------------------------------------------|
 //! | 0      | 4    | magic        | [`MAGIC`] = `0x544B_5244` (`"TKRD"`)               |
-//! | 4      | 2    | version      | [`VERSION`] = 4                                    |
+//! | 4      | 2    | version      | [`VERSION`] = 5                                    |
 //! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
 //! | 7      | 1    | flags        | 0 (ignored on receipt)                             |
 //! | 8      | 8    | ring_addr    | byte stream: virtual address of the sender's receive ring; message endpoint: `max_message_len`, bytes, `1..=2^48` |
@@ -48,8 +48,11 @@ pub const MAGIC: u32 = 0x544B_5244;
 /// ([`initial_recv_posted`](crate::proto::message::initial_recv_posted));
 /// version 4 adds the message endpoint's CLOSE
 /// ([`MsgImm::Close`](crate::proto::message::MsgImm::Close)), so a peer's
-/// close is told from a lost connection.
-pub const VERSION: u16 = 4;
+/// close is told from a lost connection; version 5 posts every WR that
+/// consumes a receive WR at the peer (stream data and control, message
+/// SENDs) with the solicited-event bit, so a receiver may arm its CQ for
+/// solicited completions only and its own send completions wake nobody.
+pub const VERSION: u16 = 5;
 
 /// Length in bytes of an encoded [`Hello`].
 pub const HELLO_LEN: usize = 32;
@@ -472,7 +475,7 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x04, // version
+                0x00, 0x05, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr

@@ -764,6 +764,12 @@ impl StreamCore {
         (self.sb_unposted + self.sb_inflight) as usize
     }
 
+    /// Whether [`shutdown`](StreamCore::shutdown) was called (the FIN is
+    /// queued, posted or completed).
+    pub fn shutdown_requested(&self) -> bool {
+        self.fin_requested
+    }
+
     /// Bytes buffered and not yet posted.
     pub fn unposted_len(&self) -> usize {
         self.sb_unposted as usize

@@ -200,6 +200,22 @@ impl StreamState {
         }
     }
 
+    /// Registers a task that waits for send progress (buffer space,
+    /// send-queue slots, credit) and makes sure the completion it waits
+    /// for raises an event: the CQ is armed for every completion (a reader
+    /// may have armed it for solicited ones only, see
+    /// `Driven::solicited_events_suffice`), then polled, since a
+    /// completion queued before the arm raises none. Progress that frees
+    /// room wakes the task at once.
+    fn register_writer(&mut self, waker: &std::task::Waker) {
+        self.writers.register(waker);
+        if let Err(e) = self.qp.arm(false) {
+            self.fail(e);
+            return;
+        }
+        self.progress_reading();
+    }
+
     fn protocol_error(&mut self, e: ProtocolError) {
         warn!(error = %e, "peer violated the stream protocol; aborting");
         self.fail(Error::Protocol(e));
@@ -301,6 +317,23 @@ impl Driven for StreamState {
 
     fn failure(&self) -> Option<bool> {
         self.error.as_ref().map(|_| self.core.all_sent())
+    }
+
+    /// Solicited events (the peer's data, CREDIT, FIN, ABORT) suffice
+    /// while the connection is healthy and nobody waits on a send
+    /// completion: no writer blocked, nothing buffered unposted (which
+    /// may wait for a send-queue slot), no FIN queued (the driver lingers
+    /// on its completion), no keepalive probe in flight.
+    fn solicited_events_suffice(&self) -> bool {
+        self.alive()
+            && self.writers.is_empty()
+            && self.core.unposted_len() == 0
+            && !self.core.shutdown_requested()
+            && !self.qp.probe_outstanding()
+    }
+
+    fn completions_unannounced(&self) -> bool {
+        self.core.outstanding_wrs() > 0 && self.solicited_events_suffice()
     }
 
     fn on_disconnected(&mut self) {
@@ -464,7 +497,7 @@ impl Conn {
         }
         if cap == 0 {
             st.stats.credit_stalls += 1;
-            st.writers.register(cx.waker());
+            st.register_writer(cx.waker());
             return Poll::Pending;
         }
         let n = cap.min(total);
@@ -516,7 +549,7 @@ impl Conn {
         if st.peer_gone {
             return Poll::Ready(Err(Error::PeerClosed.into()));
         }
-        st.writers.register(cx.waker());
+        st.register_writer(cx.waker());
         Poll::Pending
     }
 
@@ -581,6 +614,7 @@ impl Conn {
         s.spin_hits = st.spin.spin_hits;
         s.read_parks = st.spin.parks;
         s.events_left_to_reader = st.qp.cq_events().delegation().map_or(0, |d| d.left());
+        (s.lock_waits, s.driver_wakeups) = self.contention();
         s
     }
 }

@@ -181,18 +181,18 @@ fn dedicated_budget() -> usize {
 /// one of the two tasks to another worker (a futex wake) and the two
 /// contend for the connection's lock. So while an application task is
 /// parked on the CQ, the driver's registration is woken through this gate,
-/// which leaves the event to that task ([`Delegation::app_parked`]) once
-/// the driver asked for it ([`Delegation::set_filtering`]).
+/// which leaves the event to that task (`app_parked`) while
+/// the driver filters ([`Delegation::set_filtering`]).
 ///
-/// The driver starts filtering when an event reaches it while a reader is
-/// parked, and while it filters it looks at the connection every
+/// Filtering starts at an event that finds a reader parked (the gate turns
+/// it on and still wakes the driver for that one, see `Delegation::pass`),
+/// and while it is on the driver looks at the connection every
 /// [`DELEGATION_TICK`] ([`Delegation::on_tick`]): it stops after a tick in
 /// which no event was left and no read found data (the connection went
-/// idle: no timer then), and
-/// after one whose left events no reader took (a reader whose future was
-/// dropped while parked never takes them; the tick's round does, and the
-/// stale parked flag is forgotten). So nothing waits on a reader that
-/// is gone for longer than about two ticks.
+/// idle: no timer then), and after one whose left events no reader took (a
+/// reader whose future was dropped while parked never takes them; the
+/// tick's round does, and the stale parked flag is forgotten). So nothing
+/// waits on a reader that is gone for longer than about two ticks.
 #[derive(Default)]
 pub(crate) struct Delegation {
     /// An application task is registered for the CQ's next event.
@@ -223,7 +223,8 @@ pub(crate) const DELEGATION_TICK: std::time::Duration = std::time::Duration::fro
 
 impl Delegation {
     /// Whether an application task is registered for the CQ's next event.
-    pub(crate) fn app_parked(&self) -> bool {
+    #[cfg(test)]
+    fn app_parked(&self) -> bool {
         self.app_parked.load(Ordering::Acquire)
     }
 
@@ -279,10 +280,19 @@ impl Delegation {
 
     /// The gate's decision for one wake-up of the driver's registration:
     /// `true` to wake the driver.
+    ///
+    /// The first event that finds a reader parked while the driver does
+    /// not filter yet still wakes the driver (which starts its tick) and
+    /// turns filtering on here, at the event: on a multi-thread runtime
+    /// the reader, woken on another worker, usually took the event (and
+    /// was no longer parked) by the time the driver looked.
     fn pass(&self) -> bool {
-        if self.filtering.load(Ordering::Acquire) && self.app_parked.load(Ordering::Acquire) {
-            self.left.fetch_add(1, Ordering::AcqRel);
-            return false;
+        if self.app_parked.load(Ordering::Acquire) {
+            if self.filtering.load(Ordering::Acquire) {
+                self.left.fetch_add(1, Ordering::AcqRel);
+                return false;
+            }
+            self.set_filtering(true);
         }
         true
     }
@@ -497,11 +507,11 @@ fn raw_cq(cq: &BasicCompletionQueue) -> *mut ibv_cq {
     unsafe { cq.cq().as_ptr() }
 }
 
-/// Requests a completion event for the next completion on `cq`
-/// (`ibv_req_notify_cq`).
-fn arm_cq(cq: &BasicCompletionQueue) -> Result<()> {
+/// Requests a completion event for the next completion on `cq`, or the
+/// next solicited one (`ibv_req_notify_cq`).
+fn arm_cq(cq: &BasicCompletionQueue, solicited_only: bool) -> Result<()> {
     // SAFETY: `cq` is a live CQ (borrowed for the call).
-    let ret = unsafe { ibv_req_notify_cq(raw_cq(cq), 0) };
+    let ret = unsafe { ibv_req_notify_cq(raw_cq(cq), i32::from(solicited_only)) };
     if ret != 0 {
         return Err(Error::Verbs {
             op: "ibv_req_notify_cq",
@@ -659,14 +669,15 @@ impl QpCq {
         }
     }
 
-    /// Arms the CQ for the next completion event (a CQ of its own; a
-    /// shared CQ is kept armed by its hub, so this does nothing).
+    /// Arms the CQ for the next completion event, or the next solicited
+    /// one (a CQ of its own; a shared CQ is kept armed by its hub, so this
+    /// does nothing).
     ///
     /// # Errors
     /// [`Error::Verbs`] if `ibv_req_notify_cq` fails.
-    pub(crate) fn arm(&self) -> Result<()> {
+    pub(crate) fn arm(&self, solicited_only: bool) -> Result<()> {
         match self {
-            QpCq::Own { cq, .. } => arm_cq(cq),
+            QpCq::Own { cq, .. } => arm_cq(cq, solicited_only),
             QpCq::Shared { .. } => Ok(()),
         }
     }
@@ -763,7 +774,7 @@ impl SharedCq {
     /// An event came for this CQ: re-arm it, then hand out what is queued
     /// (a completion after the arm raises the next event).
     fn on_event(&self) {
-        if let Err(e) = arm_cq(&self.cq) {
+        if let Err(e) = arm_cq(&self.cq, false) {
             tracing::warn!(error = %e, "arming a shared completion queue failed");
         }
         if let Err(e) = self.hand_out(&lock(&self.routes), None) {
@@ -930,7 +941,7 @@ impl CqHub {
             Counted::new(Kind::CompletionQueue),
             Counted::new(Kind::SharedCompletionQueue),
         ];
-        arm_cq(&cq)?;
+        arm_cq(&cq, false)?;
         let shared = Arc::new(SharedCq {
             cq,
             routes: Mutex::new(HashMap::new()),
@@ -1091,21 +1102,28 @@ mod tests {
             gate.wake_by_ref();
         };
         let park = |d: &Delegation| d.app_parked.store(true, Ordering::Release);
-        // Not filtering: every event wakes the driver, parked reader or not.
-        park(&d);
+        // Not filtering, no reader parked: the driver is woken and does
+        // not start filtering.
         event(&d);
         assert_eq!(order.lock().unwrap().len(), 1);
-        // Filtering, no reader parked: the driver is woken.
-        d.set_filtering(true);
-        d.unpark();
+        assert!(!d.filtering());
+        // Not filtering, a reader parked: this event still wakes the
+        // driver, and filtering starts at it (the driver's tick follows).
+        park(&d);
         event(&d);
         assert_eq!(order.lock().unwrap().len(), 2);
+        assert!(d.filtering());
+        assert_eq!(d.left(), 0);
+        // Filtering, no reader parked: the driver is woken.
+        d.unpark();
+        event(&d);
+        assert_eq!(order.lock().unwrap().len(), 3);
         assert_eq!(d.left(), 0);
         // Filtering with a parked reader: left to it and counted.
         park(&d);
         event(&d);
         event(&d);
-        assert_eq!(order.lock().unwrap().len(), 2);
+        assert_eq!(order.lock().unwrap().len(), 3);
         assert_eq!(d.left(), 2);
         // The reader took an event: the tick goes on filtering, and the
         // next event (the reader not parked) wakes the driver.
@@ -1114,7 +1132,7 @@ mod tests {
         d.on_tick();
         assert!(d.filtering());
         event(&d);
-        assert_eq!(*order.lock().unwrap(), ["driver", "driver", "driver"]);
+        assert_eq!(*order.lock().unwrap(), ["driver"; 4]);
         // A tick that left nothing while the reader found its data (a
         // spin answered it): busy, the driver goes on filtering.
         d.unpark();
@@ -1125,17 +1143,18 @@ mod tests {
         assert!(!d.filtering());
         park(&d);
         event(&d);
-        assert_eq!(order.lock().unwrap().len(), 4);
+        assert_eq!(order.lock().unwrap().len(), 5);
         assert_eq!(d.left(), 2);
+        assert!(d.filtering());
         // Events left that no reader took (its read was dropped while
         // parked): the tick forgets the parked reader and stops filtering.
-        d.set_filtering(true);
         event(&d);
-        assert_eq!((order.lock().unwrap().len(), d.left()), (4, 3));
+        assert_eq!((order.lock().unwrap().len(), d.left()), (5, 3));
         d.on_tick();
         assert!(!d.filtering());
         assert!(!d.app_parked());
         event(&d);
-        assert_eq!(order.lock().unwrap().len(), 5);
+        assert_eq!(order.lock().unwrap().len(), 6);
+        assert!(!d.filtering());
     }
 }

@@ -1049,10 +1049,12 @@ impl RcQueuePair {
         signaled: bool,
         inline: bool,
     ) -> Result<()> {
+        // Solicited: the peer may arm its CQ for solicited events only
+        // (see `RcQueuePair::arm`); this WR consumes one of its receive WRs.
         let flags = if signaled {
-            WorkRequestFlags::Signaled
+            WorkRequestFlags::Signaled | WorkRequestFlags::Solicited
         } else {
-            WorkRequestFlags::none()
+            WorkRequestFlags::Solicited
         };
         // Taken and put back: no allocation per inline post (lost only on
         // an error return).
@@ -1132,11 +1134,16 @@ impl RcQueuePair {
         }
         let mut guard = self.qp.start_post_send();
         for w in wrs {
-            let flags = if w.signaled {
+            let mut flags = if w.signaled {
                 WorkRequestFlags::Signaled
             } else {
                 WorkRequestFlags::none()
             };
+            // A SEND consumes one of the peer's receive WRs: solicited, as
+            // the stream's WRITE WITH IMM (see `RcQueuePair::arm`).
+            if matches!(w.op, SendOp::SendImm { .. }) {
+                flags |= WorkRequestFlags::Solicited;
+            }
             let wr = guard.construct_wr(w.wr_id, flags);
             match w.op {
                 SendOp::SendImm { payload, imm } => {
@@ -1181,14 +1188,22 @@ impl RcQueuePair {
         polled
     }
 
-    /// Requests a completion event for the next completion
-    /// (`ibv_req_notify_cq`; nothing on a shared CQ, which its hub keeps
-    /// armed).
+    /// Requests a completion event (`ibv_req_notify_cq`; nothing on a
+    /// shared CQ, which its hub keeps armed for every completion): for the
+    /// next completion, or with `solicited_only` for the next solicited
+    /// one: a receive completion of a WR the peer posted with
+    /// `IBV_SEND_SOLICITED` (every WR of protocol version 5 that consumes
+    /// a receive WR: data, CREDIT, FIN, ABORT, messages) or a completion
+    /// in error (IBTA spec, vol. 1, 11.4.2.2 and C11-23; rxe raises the
+    /// event for flushed receive WRs). Our own send completions then raise
+    /// no event: a task that waits for one asks for every completion. A
+    /// request for every completion is not narrowed by a later solicited
+    /// one until the event fires (rxe keeps the wider request).
     ///
     /// # Errors
     /// [`Error::Verbs`] if `ibv_req_notify_cq` fails.
-    pub(crate) fn arm(&self) -> Result<()> {
-        self.cq.arm()
+    pub(crate) fn arm(&self, solicited_only: bool) -> Result<()> {
+        self.cq.arm(solicited_only)
     }
 
     /// Where the CQ's events arrive, to wait without the lock.
