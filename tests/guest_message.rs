@@ -151,6 +151,44 @@ async fn the_peers_close_arrives_as_close_then_ends_recv_and_send() {
     );
 }
 
+/// A `recv` that waits is counted as a stream's read is: with
+/// `WaitStrategy::Park` none spins, and each of 50 messages, sent only once
+/// the receiver's `recv_parks` shows it parked for it, arrives intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_recv_is_counted_in_the_endpoint_stats() {
+    const N: u64 = 50;
+    let cfg = MessageConfig::new()
+        .connection(tokio_rdma::RdmaConfig::new().wait_strategy(tokio_rdma::WaitStrategy::Park));
+    let (c, s) = pair(&cfg, &cfg).await;
+    let watch = s.clone();
+    let receiver = tokio::spawn(async move {
+        for i in 0..N {
+            let m = s.recv().await.expect("recv").expect("a message");
+            assert_eq!(&m[..], &pattern(i, 64)[..], "message {i}");
+        }
+        s.stats()
+    });
+    for i in 0..N {
+        // Liveness bound only: the receiver parks within milliseconds.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while watch.stats().recv_parks <= i {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "recv {i} never parked: {:?}",
+                watch.stats()
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        send_pattern(&c, i, 64).await;
+    }
+    let st = receiver.await.expect("receiver");
+    assert_eq!(st.messages_received, N);
+    assert_eq!(st.spin_hits, 0, "{st:?}");
+    // One park per message at least (more after a wake-up that brought
+    // nothing, such as the completion of a CREDIT it sent).
+    assert!(st.recv_parks >= N, "{st:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eager_send_posts_the_pool_buffer_itself() {
     let cfg = MessageConfig::new();

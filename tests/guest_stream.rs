@@ -282,8 +282,8 @@ fn hello_bytes(magic: u32, version: u16) -> Vec<u8> {
 }
 
 /// The wire protocol version this build speaks (`proto::handshake::VERSION`,
-/// crate-private): 4 since the message endpoint's CLOSE.
-const PROTOCOL_VERSION: u16 = 4;
+/// crate-private): 5 since WRs carry the solicited-event bit.
+const PROTOCOL_VERSION: u16 = 5;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {

@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tracing::{debug, warn};
 
@@ -121,7 +122,9 @@ pub(crate) async fn connect_any<S: Setup, A: tokio::net::ToSocketAddrs>(
 /// client whose SYN was dropped, the connect tries again (backoff from
 /// 10 ms, doubling up to 200 ms, with jitter) until the connect timeout, so
 /// a burst well above the backlog connects as the server accepts. Only a
-/// listener that stays full for the whole timeout refuses.
+/// listener that stays full for the whole timeout refuses. An attempt the
+/// listener gave up on after answering it is retried the same way (see
+/// [`listener_gave_up`]).
 pub(crate) async fn connect<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::Out> {
     let deadline = tokio::time::Instant::now() + setup.rdma().connect_timeout;
     retry_while_busy(addr, deadline, |stage| async move {
@@ -160,19 +163,18 @@ where
                     stage: stage.get(),
                 }));
             }
-            Ok(Err(
-                e @ Error::HandshakeRejected {
-                    reason: RejectReason::ServerResources,
-                    ..
-                },
-            )) => {
+            Ok(Err(e)) if is_busy_reject(&e) || (stage.replied() && listener_gave_up(&e)) => {
                 let wait = jittered(backoff);
                 if tokio::time::Instant::now() + wait >= deadline {
                     // Full for the whole connect timeout: refuse.
                     return Err(e);
                 }
-                debug!(?backoff, "listener busy (backlog full); retrying");
-                busy = Some(e);
+                if is_busy_reject(&e) {
+                    debug!(?backoff, "listener busy (backlog full); retrying");
+                    busy = Some(e);
+                } else {
+                    debug!(error = %e, ?backoff, "the listener gave up on this attempt; retrying");
+                }
                 tokio::time::sleep(wait).await;
                 backoff = (backoff * 2).min(BUSY_BACKOFF_MAX);
             }
@@ -181,19 +183,59 @@ where
     }
 }
 
+/// A listener's busy reject (backlog full, or no resources for this side).
+fn is_busy_reject(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::HandshakeRejected {
+            reason: RejectReason::ServerResources,
+            ..
+        }
+    )
+}
+
+/// After the listener's answer, rdma_cm refuses to move the QP on
+/// (`rdma_init_qp_attr` or `rdma_establish` fails with `EINVAL`): the
+/// connection's rdma_cm state is no longer "reply received", because the
+/// listener gave up on it and rejected it. A listener waits for a
+/// connection to be established for its own connect timeout (10 s by
+/// default); a client slower than that after the reply (a burst of
+/// hundreds of connects on a loaded host) found its connect failing with
+/// "Invalid argument". Nothing was exchanged yet: a fresh attempt is safe.
+fn listener_gave_up(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Verbs { op: "rdma_init_qp_attr" | "rdma_establish", source }
+            if source.raw_os_error() == Some(libc::EINVAL)
+    )
+}
+
 /// The handshake step an active connect is at, for the error its timeout
-/// reports (written by the attempt, read once it was cancelled).
-struct Progress(std::sync::Mutex<ConnectStage>);
+/// reports (written by the attempt, read once it was cancelled), and
+/// whether the listener's answer arrived.
+struct Progress(std::sync::Mutex<ConnectStage>, AtomicBool);
 
 impl Default for Progress {
     fn default() -> Self {
-        Progress(std::sync::Mutex::new(ConnectStage::ResolveAddress))
+        Progress(
+            std::sync::Mutex::new(ConnectStage::ResolveAddress),
+            AtomicBool::new(false),
+        )
     }
 }
 
 impl Progress {
     fn set(&self, stage: ConnectStage) {
         *self.0.lock().unwrap_or_else(|p| p.into_inner()) = stage;
+    }
+
+    /// The listener answered (CONNECT_RESPONSE arrived).
+    fn set_replied(&self) {
+        self.1.store(true, Ordering::Release);
+    }
+
+    fn replied(&self) -> bool {
+        self.1.load(Ordering::Acquire)
     }
 
     fn get(&self) -> ConnectStage {
@@ -291,6 +333,7 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     id.connect(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
     stage.set(ConnectStage::AwaitingReply);
     let ev = expect(&mut id, addr, CmEventKind::ConnectResponse).await?;
+    stage.set_replied();
     stage.set(ConnectStage::LocalSetup);
     let peer = match Hello::decode(&ev.private_data).and_then(|h| h.expect_kind(S::KIND)) {
         Ok(h) => h,
@@ -569,6 +612,53 @@ mod tests {
         .unwrap_err();
         assert!(matches!(e, Error::ConnectionRefused { .. }), "{e:?}");
         assert_eq!(attempts, 1);
+    }
+
+    /// An attempt whose QP rdma_cm refuses to move on after the listener's
+    /// answer (the listener gave up on it: `EINVAL`) is retried; the same
+    /// error before any answer, or another errno, ends the loop at once.
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_the_listener_gave_up_on_is_retried() {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let gave_up = |errno| Error::Verbs {
+            op: "rdma_init_qp_attr",
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        let mut attempts = 0u32;
+        let got = retry_while_busy(addr(), deadline, |stage| {
+            attempts += 1;
+            let n = attempts;
+            async move {
+                stage.set_replied();
+                if n < 3 {
+                    Err(gave_up(libc::EINVAL))
+                } else {
+                    Ok(n)
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(got, 3);
+        for (replied, errno) in [(false, libc::EINVAL), (true, libc::ENOMEM)] {
+            let mut attempts = 0u32;
+            let e = retry_while_busy::<(), _, _>(addr(), deadline, |stage| {
+                attempts += 1;
+                async move {
+                    if replied {
+                        stage.set_replied();
+                    }
+                    Err(gave_up(errno))
+                }
+            })
+            .await
+            .unwrap_err();
+            assert!(
+                matches!(&e, Error::Verbs { op: "rdma_init_qp_attr", source } if source.raw_os_error() == Some(errno)),
+                "{e:?}"
+            );
+            assert_eq!(attempts, 1, "replied {replied}, errno {errno}");
+        }
     }
 
     /// A listener that stays full refuses before the deadline, after

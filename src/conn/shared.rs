@@ -140,9 +140,10 @@ pub(crate) trait Driven: Send + 'static {
     }
 
     /// Send completions are due that a CQ armed for solicited events only
-    /// does not announce: the driver looks again after
-    /// [`DELEGATION_TICK`] (an idle connection gives back its send buffer
-    /// then).
+    /// does not announce, and they free something (a stream's send-buffer
+    /// bytes): the driver looks again after [`DELEGATION_TICK`] (an idle
+    /// connection gives back its send buffer then). An application task
+    /// that posts calls [`Shared::tick_for_unannounced`].
     fn completions_unannounced(&self) -> bool {
         false
     }
@@ -190,6 +191,9 @@ pub(crate) struct Shared<D> {
     lock_waits: AtomicU64,
     /// Times the driver woke up.
     driver_wakeups: AtomicU64,
+    /// The driver waits with its tick (leaving events to a reader, or
+    /// send completions due that no event announces).
+    driver_ticking: AtomicBool,
     /// Set (`true`) once the driver has disconnected.
     closed: watch::Sender<bool>,
     /// The local address (IP and rdma_cm port).
@@ -270,6 +274,16 @@ impl<D: Driven> Shared<D> {
         st
     }
 
+    /// After an application task posted: if `st` now has send completions
+    /// due that no event announces (see [`Driven::completions_unannounced`])
+    /// and the driver waits without its tick, wake it so it starts
+    /// ticking (once: the flag is set here until the driver's next wait).
+    pub(crate) fn tick_for_unannounced(&self, st: &D) {
+        if st.completions_unannounced() && !self.driver_ticking.swap(true, Ordering::AcqRel) {
+            self.notify.notify_one();
+        }
+    }
+
     /// Wakes the driver to look at the state again.
     pub(crate) fn nudge(&self) {
         self.notify.notify_one();
@@ -319,6 +333,7 @@ pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
         handles: AtomicUsize::new(1),
         lock_waits: AtomicU64::new(0),
         driver_wakeups: AtomicU64::new(0),
+        driver_ticking: AtomicBool::new(false),
         closed: watch::Sender::new(false),
         local_addr,
         peer_addr,
@@ -397,6 +412,7 @@ async fn drive<D: Driven>(
             d.set_filtering(false);
         }
         let ticking = unannounced || delegation.as_ref().is_some_and(|d| d.filtering());
+        shared.driver_ticking.store(ticking, Ordering::Release);
         tokio::select! {
             // Completions: progress at the top of the loop. (An event that
             // came while a reader was parked on the CQ turned filtering on

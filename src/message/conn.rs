@@ -710,6 +710,15 @@ impl MsgConn {
         s.windows_held = st.qp.windows_held() as u64;
         s.quota_bytes_held = st.quota.held();
         s.quota_stalls = st.quota.stalls();
+        s.spin_hits = st.spin.spin_hits;
+        s.recv_parks = st.spin.parks;
+        s.events_left_to_reader = st
+            .qp
+            .qp_ref()
+            .cq_events()
+            .delegation()
+            .map_or(0, |d| d.left());
+        (s.lock_waits, s.driver_wakeups) = self.contention();
         s
     }
 

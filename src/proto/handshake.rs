@@ -566,13 +566,13 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        for found in [0u16, 1, 2, 3, 5] {
+        for found in [0u16, 1, 2, 3, 4, 6] {
             bytes[4..6].copy_from_slice(&found.to_be_bytes());
             assert_eq!(
                 Hello::decode(&bytes),
                 Err(HandshakeError::UnsupportedVersion {
                     found,
-                    supported: 4
+                    supported: 5
                 })
             );
         }
@@ -667,7 +667,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x04, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x05, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);

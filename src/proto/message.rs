@@ -802,6 +802,23 @@ pub struct MessageStats {
     /// more, up to `recv_queue_depth`; each is `eager_buf_len` bytes of pool
     /// memory.
     pub recv_buffers_posted: u64,
+    /// `recv` calls that found nothing and were answered while spinning on
+    /// the completion queue (see `RdmaConfig::wait_strategy`; filled by
+    /// the endpoint, as `ConnectionStats::spin_hits`).
+    pub spin_hits: u64,
+    /// Times a `recv` found nothing and parked: armed the completion queue
+    /// and returned `Pending` (again after each wake-up that brought
+    /// nothing; filled by the endpoint, as `ConnectionStats::read_parks`).
+    pub recv_parks: u64,
+    /// Completion events the driver task left to a parked `recv` (filled
+    /// by the endpoint, as `ConnectionStats::events_left_to_reader`).
+    pub events_left_to_reader: u64,
+    /// Times a task found the endpoint's lock held by another thread and
+    /// waited (filled by the endpoint, as `ConnectionStats::lock_waits`).
+    pub lock_waits: u64,
+    /// Times the endpoint's driver task woke up (filled by the endpoint,
+    /// as `ConnectionStats::driver_wakeups`).
+    pub driver_wakeups: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

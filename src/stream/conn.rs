@@ -332,8 +332,12 @@ impl Driven for StreamState {
             && !self.qp.probe_outstanding()
     }
 
+    /// Send-buffer bytes in flight: their completion gives the buffer back
+    /// once the stream is idle. (A CREDIT's completion frees only a
+    /// send-queue slot, polled with the next progress; a writer that needs
+    /// one arms for every completion.)
     fn completions_unannounced(&self) -> bool {
-        self.core.outstanding_wrs() > 0 && self.solicited_events_suffice()
+        self.core.send_buf_in_use() > 0 && self.solicited_events_suffice()
     }
 
     fn on_disconnected(&mut self) {
@@ -534,6 +538,7 @@ impl Conn {
             }
         }
         st.transmit();
+        self.tick_for_unannounced(&st);
         Poll::Ready(Ok(n))
     }
 
