@@ -358,7 +358,10 @@ impl RdmaConfig {
     }
 
     /// Overall limit for `connect` (address and route resolution plus the
-    /// handshake; default 10 s). Exceeding it fails with `TimedOut`.
+    /// handshake; default 10 s). Exceeding it fails with `TimedOut`. On a
+    /// listener (`bind_with`): how long an accepted request may take to
+    /// be established before the listener gives up on it (the client then
+    /// retries within its own connect timeout).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
