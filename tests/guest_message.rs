@@ -14,7 +14,7 @@ use tokio_rdma::pool::{ExhaustedPolicy, MemoryPool, PoolConfig};
 use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, PoolBytes};
 
 mod common;
-use common::{example, retry, signal};
+use common::{Phases, example, retry, signal};
 
 #[path = "../examples/shared/pattern.rs"]
 #[allow(dead_code)]
@@ -23,15 +23,11 @@ mod shared;
 const IP: &str = "10.11.0.1";
 const MIB: usize = 1024 * 1024;
 
-/// Deterministic content of message `seed`: byte `i` is
-/// a splitmix64 hash of (seed, i / 8), so the pattern has no period shorter
-/// than 2^64 bytes: bytes from a stale lap of a ring never match.
+/// Deterministic content of message `seed` (`shared::pattern_byte` for
+/// each index): no period shorter than 2^64 bytes, so bytes from a stale
+/// lap of a ring never match.
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    (0..len as u64).map(|i| pattern_byte(seed, i)).collect()
-}
-
-fn pattern_byte(seed: u64, i: u64) -> u8 {
-    shared::pattern_byte(seed, i)
+    shared::pattern_vec(seed, len)
 }
 
 fn crc(data: &[u8]) -> u32 {
@@ -69,6 +65,13 @@ async fn send_pattern(ep: &MessageEndpoint, seed: u64, len: usize) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sizes_arrive_intact_in_order_and_in_pool_memory() {
+    // The word-at-a-time pattern is the byte-at-a-time one.
+    assert_eq!(
+        pattern(5, 21),
+        (0..21)
+            .map(|i| shared::pattern_byte(5, i))
+            .collect::<Vec<u8>>()
+    );
     let cfg = MessageConfig::new();
     let (client, server) = pair(&cfg, &cfg).await;
     let sizes = [0, 1, 4096, 4097, MIB, 64 * MIB];
@@ -363,21 +366,28 @@ async fn wait_in_use_zero(pool: &MemoryPool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_gib_message_arrives_intact_from_user_memory() {
     const GIB: usize = 1 << 30;
+    let mut phases = Phases::start();
     let server_pool = rxe_pool(GIB + 64 * MIB, ExhaustedPolicy::Error);
     let server_cfg = MessageConfig::new()
         .pool(server_pool.clone())
         .max_message_len(GIB as u64);
     let client_cfg = MessageConfig::new().max_message_len(GIB as u64);
     let (client, server) = pair(&server_cfg, &client_cfg).await;
+    phases.done("pool and pair");
     let data = pattern(42, GIB);
+    phases.done("pattern");
     let want = crc(&data);
+    phases.done("crc32 of the source");
     // User memory registered for the send: no copy into the pool.
     let region = client.pool().register_vec(data).unwrap();
     let region_addr = region.addr();
+    phases.done("register 1 GiB");
     client.send(region).await.unwrap();
     let msg = server.recv().await.unwrap().unwrap();
+    phases.done("send and recv");
     assert_eq!(msg.len(), GIB);
     assert_eq!(crc(&msg), want, "1 GiB checksum");
+    phases.done("crc32 of the message");
     assert!(server_pool.owns(msg.as_ptr(), msg.len()));
     client.flush().await.unwrap();
     assert_eq!(client.stats().rendezvous_sent, 1);
@@ -391,6 +401,7 @@ async fn one_gib_message_arrives_intact_from_user_memory() {
     drop(msg);
     drop((client, server));
     wait_in_use_zero(&server_pool).await;
+    phases.done("close and release");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -398,7 +409,9 @@ async fn million_small_messages_arrive_in_order_once() {
     const N: u64 = 1_000_000;
     let rnr_before = rnr_counters();
     let cfg = MessageConfig::new();
+    let mut phases = Phases::start();
     let (client, server) = pair(&cfg, &cfg).await;
+    phases.done("pair");
     let sender = tokio::spawn(async move {
         for seq in 0..N {
             let mut buf = client.pool().alloc(8).await.unwrap();
@@ -419,6 +432,7 @@ async fn million_small_messages_arrive_in_order_once() {
         }
     }
     assert_eq!(next, N);
+    phases.done("1,000,000 messages");
     let sent = sender.await.unwrap();
     assert_eq!(sent.messages_sent, N);
     assert_eq!(sent.eager_sent, N);

@@ -19,7 +19,7 @@ use tokio_rdma::stats::{ResourceSnapshot, resources};
 use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
 
 mod common;
-use common::{assert_back_to, example, open_fds, without_cache};
+use common::{Phases, assert_back_to, example, open_fds, without_cache};
 
 #[path = "../examples/shared/pattern.rs"]
 #[allow(dead_code)]
@@ -190,6 +190,7 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
     let cfg = RdmaConfig::new()
         .connect_timeout(CONNECT_TIMEOUT)
         .share_completion_queue(true);
+    let mut phases = Phases::start();
     let (l, addr, start, fds) = listener(&cfg).await;
     let server = tokio::spawn(async move {
         let mut held = Vec::with_capacity(N);
@@ -211,6 +212,7 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
     }
     let (l, server_held) = server.await.unwrap();
     held.extend(server_held);
+    phases.done("4,000 connects");
     let total: u64 = held.iter().map(|s| s.stats().registered_bytes).sum();
     assert_eq!(total, 2 * N as u64 * RING);
     assert!(total / (2 * N as u64) <= 64 * 1024);
@@ -246,8 +248,10 @@ async fn four_thousand_idle_connections_pin_at_most_64_kib_each() {
         now.shared_completion_queues,
         open_fds()
     );
+    phases.done("counts");
     drop(held);
     assert_back_to(start, fds, 2, SETTLE).await;
+    phases.done("8,000 ends dropped and released");
     drop(l);
 }
 

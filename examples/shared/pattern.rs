@@ -24,7 +24,25 @@ pub fn word(j: u64) -> u64 {
 /// a ring never match.
 #[allow(dead_code)] // used by echo, hyper_client and the guest tests
 pub fn pattern_byte(seed: u64, i: u64) -> u8 {
-    (word((i / 8) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> (8 * (i % 8))) as u8
+    (word((i / 8) ^ seed_key(seed)) >> (8 * (i % 8))) as u8
+}
+
+/// Bytes `0..len` of stream `seed`, equal to [`pattern_byte`] for each
+/// index but built a word at a time (a 1 GiB message takes 8x fewer
+/// hashes than byte by byte).
+#[allow(dead_code)] // used by the guest message tests
+pub fn pattern_vec(seed: u64, len: usize) -> Vec<u8> {
+    let key = seed_key(seed);
+    let mut v = Vec::with_capacity(len.next_multiple_of(8));
+    for j in 0..(len as u64).div_ceil(8) {
+        v.extend_from_slice(&word(j ^ key).to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+fn seed_key(seed: u64) -> u64 {
+    seed.wrapping_mul(0xD6E8_FEB8_6659_FD93)
 }
 
 /// Fills `buf` with the pattern bytes starting at stream offset `off`.

@@ -114,3 +114,26 @@ pub async fn assert_back_to(
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
 }
+
+/// Prints how long each phase of a long test took (`phase: 12.3 s`), so a
+/// CI log says which part of a test costs the time. Prints only; no test
+/// asserts a duration.
+pub struct Phases {
+    last: std::time::Instant,
+}
+
+impl Phases {
+    /// Starts timing the first phase.
+    pub fn start() -> Self {
+        Self {
+            last: std::time::Instant::now(),
+        }
+    }
+
+    /// Ends the current phase as `name` and starts the next.
+    pub fn done(&mut self, name: &str) {
+        let now = std::time::Instant::now();
+        println!("phase {name}: {:.1} s", (now - self.last).as_secs_f64());
+        self.last = now;
+    }
+}
