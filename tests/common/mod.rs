@@ -115,7 +115,7 @@ pub async fn assert_back_to(
     }
 }
 
-/// Prints how long each phase of a long test took (`phase: 12.3 s`), so a
+/// Prints how long each phase of a long test took (`phase NAME: 12.3 s`), so a
 /// CI log says which part of a test costs the time. Prints only; no test
 /// asserts a duration.
 pub struct Phases {
