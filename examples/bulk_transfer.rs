@@ -278,7 +278,7 @@ impl Source {
     async fn fill(&mut self, buf: &mut [u8], off: u64) -> io::Result<()> {
         match self {
             Source::Pattern(_) => {
-                fill_pattern(buf, off);
+                fill_pattern(buf, 0, off);
                 Ok(())
             }
             Source::AsAllocated(_) => Ok(()),

@@ -96,7 +96,7 @@ fn check(msg: &[u8], i: u64, size: usize, scratch: &mut Vec<u8>) -> Result<(), S
         ));
     }
     scratch.resize(size, 0);
-    fill_pattern(scratch, i * size as u64);
+    fill_pattern(scratch, 0, i * size as u64);
     if let Some(k) = msg.iter().zip(scratch.iter()).position(|(a, b)| a != b) {
         return Err(format!(
             "message {i}: byte {k} is {:#04x}, expected {:#04x}",
@@ -113,7 +113,7 @@ async fn pattern_buf(ep: &MessageEndpoint, i: u64, size: usize) -> Result<PoolBu
         .alloc_any(size)
         .await
         .map_err(|e| format!("pool: {e}"))?;
-    fill_pattern(&mut buf.spare_mut()[..size], i * size as u64);
+    fill_pattern(&mut buf.spare_mut()[..size], 0, i * size as u64);
     buf.set_len(size);
     Ok(buf)
 }
