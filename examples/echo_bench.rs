@@ -584,7 +584,7 @@ fn syscall_profile(server: &str, client: &str, round_trips: f64) -> (f64, String
 
 /// The port of the long-running server for `c` on another host: 7701
 /// rdma current_thread, 7702 rdma multi-thread, 7703 rdma busy_poll 200 us,
-/// 7704 tcp, 7705 rdma current_thread with a 1 MiB ring, 7706 message
+/// 7704 tcp (7710 tcp multi-thread), 7705 rdma current_thread with a 1 MiB ring, 7706 message
 /// endpoints (current_thread), 7708 and 7709 rdma current_thread and
 /// multi-thread parking at once (7707 is the message bulk server of
 /// `integration/bench-pair-guest`); the others wait the default way.
@@ -596,6 +596,7 @@ fn remote_port(c: &Case) -> u16 {
         return 7706;
     }
     match (c.scheme, c.runtime, c.wait) {
+        ("tcp", Flavor::Multi, _) => 7710,
         ("tcp", _, _) => 7704,
         (_, Flavor::Current, "park") => 7708,
         (_, Flavor::Multi, "park") => 7709,
@@ -859,6 +860,9 @@ async fn suite(
             )
         },
         case("TCP, current_thread", "tcp", 64, 1, Current, "adaptive"),
+        // tokio's own cross-thread wake-ups on this runtime: the reference
+        // for the multi-thread RDMA rows (latency and syscalls).
+        case("TCP, multi-thread (2)", "tcp", 64, 1, Multi, "adaptive"),
     ];
     let mut bulk = vec![
         case(

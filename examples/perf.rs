@@ -57,6 +57,18 @@ struct Args {
     /// runs: one row per size, to see what the ring costs in throughput.
     #[arg(long, value_delimiter = ',', default_values_t = [65536u32])]
     ring_sizes: Vec<u32>,
+    /// Send buffer sizes (bytes, comma-separated) of the bulk runs; one
+    /// row per combination with the other bulk lists.
+    #[arg(long, value_delimiter = ',', default_values_t = [65536u32])]
+    send_buffer_sizes: Vec<u32>,
+    /// Largest RDMA WRITE sizes (bytes, comma-separated) of the bulk runs.
+    #[arg(long, value_delimiter = ',', default_values_t = [65536u32])]
+    max_write_sizes: Vec<u32>,
+    /// Only the RdmaStream bulk rows, each combination once per round,
+    /// for this many rounds (interleaved, for A/B comparisons); no
+    /// perftest, TCP or latency runs.
+    #[arg(long)]
+    bulk_only: Option<u32>,
     /// Only the parked RdmaStream ping-pong (for profiling, e.g. under strace).
     #[arg(long)]
     pingpong_only: bool,
@@ -186,11 +198,45 @@ async fn main() {
         return;
     }
 
+    if let Some(rounds) = args.bulk_only {
+        for round in 1..=rounds {
+            for &ring in &args.ring_sizes {
+                for &sb in &args.send_buffer_sizes {
+                    for &wr in &args.max_write_sizes {
+                        let bulk_cfg = cfg
+                            .clone()
+                            .ring_size(ring)
+                            .send_buffer_size(sb)
+                            .max_write_size(wr);
+                        let (c, s) = rdma_pair(addr, &bulk_cfg).await;
+                        let (bw, cpus) = bulk(c, s, args.bulk_bytes).await;
+                        println!(
+                            "round {round} ring/send buffer/WR {:>4}/{:>4}/{:>4} KiB {bw:>8.2} MB/s, CPUs busy {cpus:.2}",
+                            ring >> 10,
+                            sb >> 10,
+                            wr >> 10
+                        );
+                    }
+                }
+            }
+        }
+        return;
+    }
+
     // --- throughput ---------------------------------------------------
     let mut rdma_bw = Vec::new();
     for &ring in &args.ring_sizes {
-        let (c, s) = rdma_pair(addr, &cfg.clone().ring_size(ring)).await;
-        rdma_bw.push((ring, bulk(c, s, args.bulk_bytes).await));
+        for &sb in &args.send_buffer_sizes {
+            for &wr in &args.max_write_sizes {
+                let bulk_cfg = cfg
+                    .clone()
+                    .ring_size(ring)
+                    .send_buffer_size(sb)
+                    .max_write_size(wr);
+                let (c, s) = rdma_pair(addr, &bulk_cfg).await;
+                rdma_bw.push(((ring, sb, wr), bulk(c, s, args.bulk_bytes).await));
+            }
+        }
     }
     let (c, s) = tcp_pair(addr).await;
     let (tcp_bw, tcp_cpus) = bulk(c, s, args.bulk_bytes).await;
@@ -243,10 +289,12 @@ async fn main() {
         Some(b) => println!("  ib_write_bw (raw verbs)       {b:>10.2}    1.00"),
         None => println!("  ib_write_bw (raw verbs)              n/a    (perftest failed)"),
     }
-    for &(ring, (bw, cpus)) in &rdma_bw {
+    for &((ring, sb, wr), (bw, cpus)) in &rdma_bw {
         println!(
-            "  RdmaStream, ring {:>5} KiB    {bw:>10.2}    {:>11}   {cpus:>9.2}",
+            "  RdmaStream, ring/send buffer/WR {:>4}/{:>4}/{:>4} KiB {bw:>10.2}    {:>11}   {cpus:>9.2}",
             ring >> 10,
+            sb >> 10,
+            wr >> 10,
             ratio(bw, ib_bw)
         );
     }
