@@ -171,6 +171,29 @@ async fn tcp_pair(addr: IpAddr) -> (TcpStream, TcpStream) {
     (c, s)
 }
 
+/// (ring, send buffer, WR size) in bytes, and what [`bulk`] returned.
+type BulkRow = ((u32, u32, u32), (f64, f64));
+
+/// One [`bulk`] run of RdmaStream per combination of `--ring-sizes`,
+/// `--send-buffer-sizes` and `--max-write-sizes` on top of `cfg`.
+async fn bulk_grid(args: &Args, cfg: &RdmaConfig) -> Vec<BulkRow> {
+    let mut rows = Vec::new();
+    for &ring in &args.ring_sizes {
+        for &sb in &args.send_buffer_sizes {
+            for &wr in &args.max_write_sizes {
+                let bulk_cfg = cfg
+                    .clone()
+                    .ring_size(ring)
+                    .send_buffer_size(sb)
+                    .max_write_size(wr);
+                let (c, s) = rdma_pair(args.addr, &bulk_cfg).await;
+                rows.push(((ring, sb, wr), bulk(c, s, args.bulk_bytes).await));
+            }
+        }
+    }
+    rows
+}
+
 fn us(ns: u64) -> f64 {
     ns as f64 / 1000.0
 }
@@ -200,44 +223,20 @@ async fn main() {
 
     if let Some(rounds) = args.bulk_only {
         for round in 1..=rounds {
-            for &ring in &args.ring_sizes {
-                for &sb in &args.send_buffer_sizes {
-                    for &wr in &args.max_write_sizes {
-                        let bulk_cfg = cfg
-                            .clone()
-                            .ring_size(ring)
-                            .send_buffer_size(sb)
-                            .max_write_size(wr);
-                        let (c, s) = rdma_pair(addr, &bulk_cfg).await;
-                        let (bw, cpus) = bulk(c, s, args.bulk_bytes).await;
-                        println!(
-                            "round {round} ring/send buffer/WR {:>4}/{:>4}/{:>4} KiB {bw:>8.2} MB/s, CPUs busy {cpus:.2}",
-                            ring >> 10,
-                            sb >> 10,
-                            wr >> 10
-                        );
-                    }
-                }
+            for ((ring, sb, wr), (bw, cpus)) in bulk_grid(&args, &cfg).await {
+                println!(
+                    "round {round} ring/send buffer/WR {:>4}/{:>4}/{:>4} KiB {bw:>8.2} MB/s, CPUs busy {cpus:.2}",
+                    ring >> 10,
+                    sb >> 10,
+                    wr >> 10
+                );
             }
         }
         return;
     }
 
     // --- throughput ---------------------------------------------------
-    let mut rdma_bw = Vec::new();
-    for &ring in &args.ring_sizes {
-        for &sb in &args.send_buffer_sizes {
-            for &wr in &args.max_write_sizes {
-                let bulk_cfg = cfg
-                    .clone()
-                    .ring_size(ring)
-                    .send_buffer_size(sb)
-                    .max_write_size(wr);
-                let (c, s) = rdma_pair(addr, &bulk_cfg).await;
-                rdma_bw.push(((ring, sb, wr), bulk(c, s, args.bulk_bytes).await));
-            }
-        }
-    }
+    let rdma_bw = bulk_grid(&args, &cfg).await;
     let (c, s) = tcp_pair(addr).await;
     let (tcp_bw, tcp_cpus) = bulk(c, s, args.bulk_bytes).await;
     let memcpy = memcpy_mb_per_s();
