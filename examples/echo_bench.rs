@@ -584,9 +584,10 @@ fn syscall_profile(server: &str, client: &str, round_trips: f64) -> (f64, String
 
 /// The port of the long-running server for `c` on another host: 7701
 /// rdma current_thread, 7702 rdma multi-thread, 7703 rdma busy_poll 200 us,
-/// 7704 tcp (7710 tcp multi-thread), 7705 rdma current_thread with a 1 MiB ring, 7706 message
-/// endpoints (current_thread), 7708 and 7709 rdma current_thread and
-/// multi-thread parking at once (7707 is the message bulk server of
+/// 7704 tcp (7710 tcp on the multi-thread runtime), 7705 rdma
+/// current_thread with a 1 MiB ring, 7706 message endpoints
+/// (current_thread), 7708 and 7709 rdma current_thread and multi-thread
+/// parking at once (7707 is the message bulk server of
 /// `integration/bench-pair-guest`); the others wait the default way.
 fn remote_port(c: &Case) -> u16 {
     if c.ring != 65536 {

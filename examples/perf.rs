@@ -54,7 +54,8 @@ struct Args {
     #[arg(long, default_value_t = 200)]
     busy_poll_us: u64,
     /// Receive ring sizes (bytes, comma-separated) of the RdmaStream bulk
-    /// runs: one row per size, to see what the ring costs in throughput.
+    /// runs: one row per combination with the other bulk lists, to see
+    /// what the ring costs in throughput.
     #[arg(long, value_delimiter = ',', default_values_t = [65536u32])]
     ring_sizes: Vec<u32>,
     /// Send buffer sizes (bytes, comma-separated) of the bulk runs; one
@@ -283,17 +284,22 @@ async fn main() {
     let ib_rtt_p99 = ib_lat.as_ref().and_then(|v| v.get(7)).map(|t| t * 2.0);
 
     println!();
-    println!("throughput, 64 KiB writes            MB/s    vs ib_write_bw   CPUs busy");
+    println!(
+        "throughput, 64 KiB writes            MB/s    vs ib_write_bw   CPUs busy   (RdmaStream: ring/send buffer/WR)"
+    );
     match ib_bw {
         Some(b) => println!("  ib_write_bw (raw verbs)       {b:>10.2}    1.00"),
         None => println!("  ib_write_bw (raw verbs)              n/a    (perftest failed)"),
     }
     for &((ring, sb, wr), (bw, cpus)) in &rdma_bw {
-        println!(
-            "  RdmaStream, ring/send buffer/WR {:>4}/{:>4}/{:>4} KiB {bw:>10.2}    {:>11}   {cpus:>9.2}",
+        let label = format!(
+            "RdmaStream, ring {}/{}/{} KiB",
             ring >> 10,
             sb >> 10,
-            wr >> 10,
+            wr >> 10
+        );
+        println!(
+            "  {label:<29} {bw:>10.2}    {:>11}   {cpus:>9.2}",
             ratio(bw, ib_bw)
         );
     }
