@@ -26,6 +26,7 @@ use crate::verbs::events::DELEGATION_TICK;
 use crate::verbs::rc::RcQueuePair;
 
 use super::SpinWait;
+use super::spin::SpinDeadline;
 
 /// How often a driver waiting for pool memory looks again even without a
 /// notification (a return can race with the waiter's registration).
@@ -251,6 +252,8 @@ impl<D: Driven> Shared<D> {
     /// other half can take it. The spin holds the task's thread: on a
     /// `current_thread` runtime every other task of it waits meanwhile
     /// (within tokio's rule of thumb of 10 to 100 us between `.await`s).
+    /// It reads the clock once per [`super::spin::POLLS_PER_CLOCK_READ`]
+    /// polls, so it may overshoot the deadline by that many polls.
     /// A cooperative spin (one poll per scheduler turn, the task waking
     /// itself) was measured and not kept: for a `block_on` future each turn
     /// costs an eventfd write and an `epoll_wait`, and in the guest it
@@ -265,7 +268,8 @@ impl<D: Driven> Shared<D> {
         let Some(deadline) = wait(&mut st).begin() else {
             return st;
         };
-        while !ready(&st) && Instant::now() < deadline {
+        let mut deadline = SpinDeadline::new(deadline);
+        while !ready(&st) && !deadline.passed(Instant::now) {
             drop(st);
             std::hint::spin_loop();
             st = self.lock();

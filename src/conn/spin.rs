@@ -100,6 +100,39 @@ impl SpinBudget {
     }
 }
 
+/// A spinning task reads the clock once per this many CQ polls (16).
+///
+/// In the Soft-RoCE guest a clock read is a system call and an emulated
+/// HPET read (4.6-5.4 us, benches/README.md, "The guest's clock"), about
+/// ten times an empty CQ poll there; reading it every poll delayed
+/// noticing a completion by up to one read. On a host a read is ~20 ns
+/// (vDSO) and an empty poll with its lock ~50-100 ns, so 16 polls
+/// overshoot a deadline by at most ~1.6 us, against spin budgets of
+/// [`MIN_SPIN`] (1 us) to hundreds of microseconds.
+pub(crate) const POLLS_PER_CLOCK_READ: u32 = 16;
+
+/// The end of one spin: [`SpinDeadline::passed`] reads the clock on the
+/// first call and then once every [`POLLS_PER_CLOCK_READ`] calls.
+#[derive(Debug)]
+pub(crate) struct SpinDeadline {
+    deadline: Instant,
+    polls: u32,
+}
+
+impl SpinDeadline {
+    pub(crate) fn new(deadline: Instant) -> Self {
+        SpinDeadline { deadline, polls: 0 }
+    }
+
+    /// Whether the deadline has passed, by `now` when this call reads the
+    /// clock (false between reads).
+    pub(crate) fn passed(&mut self, now: impl FnOnce() -> Instant) -> bool {
+        let read = self.polls % POLLS_PER_CLOCK_READ == 0;
+        self.polls = self.polls.wrapping_add(1);
+        read && now() >= self.deadline
+    }
+}
+
 /// splitmix64's finaliser: spreads a connection id over 64 bits.
 fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -284,6 +317,29 @@ mod tests {
 
     fn us(n: u64) -> Duration {
         Duration::from_micros(n)
+    }
+
+    #[test]
+    fn a_spin_reads_the_clock_once_per_sixteen_polls() {
+        let start = Instant::now();
+        let mut d = SpinDeadline::new(start + us(100));
+        let mut reads = 0u32;
+        let mut clock = us(0);
+        let mut passed_at = None;
+        for poll in 0..40u32 {
+            // The clock moves 10 us per poll.
+            clock += us(10);
+            if d.passed(|| {
+                reads += 1;
+                start + clock
+            }) {
+                passed_at = Some(poll);
+                break;
+            }
+        }
+        // Reads at polls 0 (10 us) and 16 (170 us >= 100 us).
+        assert_eq!(reads, 2);
+        assert_eq!(passed_at, Some(16));
     }
 
     #[test]
