@@ -78,13 +78,17 @@ async fn settled_registered(streams: &[RdmaStream]) -> Vec<u64> {
 /// (none refused); each sends 16 pipelined 4 KiB writes and reads the 64 KiB
 /// echoed back, bytes equal. Held open afterwards, each end pins only its
 /// 64 KiB ring (send buffers go back when idle); closed, everything is
-/// released.
+/// released. The listener waits for each handshake as long as the clients
+/// do (`connect_timeout`): with its 10 s default, a listener gives up a
+/// handshake whose ESTABLISHED event comes later and the client, already
+/// connected, is disconnected, which one slow guest boot produced here
+/// (`PeerDisconnected` in a client).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_streams_echo_then_idle_ones_pin_only_their_ring() {
     const N: usize = 1000;
     const WRITES: u64 = 16;
     const WRITE: u64 = 4096;
-    let (l, addr, start, fds) = listener(&RdmaConfig::default()).await;
+    let (l, addr, start, fds) = listener(&RdmaConfig::new().connect_timeout(CONNECT_TIMEOUT)).await;
     let server = tokio::spawn(async move {
         let mut echoes = JoinSet::new();
         for _ in 0..N {
