@@ -358,10 +358,14 @@ impl RdmaConfig {
     }
 
     /// Overall limit for `connect` (address and route resolution plus the
-    /// handshake; default 10 s). Exceeding it fails with `TimedOut`. On a
-    /// listener (`bind_with`): how long an accepted request may take to
-    /// be established before the listener gives up on it (the client then
-    /// retries within its own connect timeout).
+    /// handshake; default 10 s). Exceeding it fails with `TimedOut`. A
+    /// listener (`bind_with`) does not give up on a request it answered
+    /// within this time: it waits for the kernel connection manager's
+    /// verdict (the client's confirmation, or the CM's give-up once its
+    /// answer's retries run out, about a minute), with a safety bound of
+    /// this value or 300 s, whichever is longer. A client that counts
+    /// itself connected is never disconnected because the listener was
+    /// slow, as with TCP's `accept`.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self

@@ -269,6 +269,34 @@ async fn accept_raced_against_timer_loses_nothing() {
     assert!(timeouts > 0, "the timer branch must have won some races");
 }
 
+/// A listener whose own connect timeout (1 ms) is shorter than any
+/// handshake in this guest still accepts every client: it waits for the
+/// kernel CM's verdict, so a client that counts itself connected (it sent
+/// its RTU) is never disconnected by a slow listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_with_a_short_connect_timeout_still_accepts() {
+    let cfg = RdmaConfig::default().connect_timeout(Duration::from_millis(1));
+    let l = bind(&cfg).await;
+    let addr = l.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        for _ in 0..5 {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut b = [0u8; 8];
+            s.read_exact(&mut b).await.unwrap();
+            s.write_all(&b).await.unwrap();
+            s.shutdown().await.unwrap();
+        }
+    });
+    for i in 0..5u64 {
+        let mut s = RdmaStream::connect(addr).await.unwrap();
+        s.write_all(&i.to_le_bytes()).await.unwrap();
+        let mut back = Vec::new();
+        s.read_to_end(&mut back).await.unwrap();
+        assert_eq!(back, i.to_le_bytes());
+    }
+    server.await.unwrap();
+}
+
 fn hello_bytes(magic: u32, version: u16) -> Vec<u8> {
     let mut h = vec![0u8; 32];
     h[0..4].copy_from_slice(&magic.to_be_bytes());

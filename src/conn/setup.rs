@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use tracing::{debug, warn};
 
@@ -245,12 +246,12 @@ impl Progress {
 
 /// First and largest wait before retrying a connect a busy listener
 /// rejected.
-const BUSY_BACKOFF_START: std::time::Duration = std::time::Duration::from_millis(10);
-const BUSY_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_millis(200);
+const BUSY_BACKOFF_START: Duration = Duration::from_millis(10);
+const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(200);
 
 /// `d` scaled by a factor in [0.5, 1.5), so a burst of rejected clients
 /// does not retry in lockstep.
-fn jittered(d: std::time::Duration) -> std::time::Duration {
+fn jittered(d: Duration) -> Duration {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(d.as_nanos() as u64);
@@ -425,21 +426,11 @@ pub(crate) async fn accept_one<S: Setup>(
         return Err(e);
     }
     id.accept(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
-    let ev = tokio::time::timeout(cfg.connect_timeout, id.next_event())
-        .await
-        .map_err(|_| Error::TimedOut {
-            addr: id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into()),
-            stage: ConnectStage::AwaitingEstablished,
-        })?
-        .map_err(|source| Error::Verbs {
-            op: "rdma_get_cm_event",
-            source,
-        })?;
-    if ev.kind != CmEventKind::Established {
-        debug!(kind = ?ev.kind, status = ev.status, "connection not established");
+    let peer_addr = id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into());
+    let limit = established_wait_limit(cfg.connect_timeout);
+    if !established(id.next_event(), limit, peer_addr).await? {
         return Ok(None);
     }
-    let peer_addr = id.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into());
     setup
         .finish(Established {
             id,
@@ -451,10 +442,54 @@ pub(crate) async fn accept_one<S: Setup>(
         .map(|out| Some((out, peer_addr)))
 }
 
+/// Floor of a listener's wait for the kernel CM's verdict on a request it
+/// answered (300 s). The CM itself ends that wait: with the client's RTU
+/// (ESTABLISHED), or once its REP retries run out (about 15 tries about
+/// 4 s apart with rdma_cm's defaults: about a minute), as TCP's
+/// SYN-RECEIVED lasts through its SYN-ACK retries (`tcp_synack_retries`,
+/// about 63 s). This bound is only a safety net beyond that, so a
+/// handshake never holds its backlog slot for good.
+const ESTABLISHED_WAIT_FLOOR: Duration = Duration::from_secs(300);
+
+/// How long a listener waits for the CM's verdict: `connect_timeout` if
+/// that is longer than [`ESTABLISHED_WAIT_FLOOR`], the floor otherwise. A
+/// listener never gives up on a handshake the client may already count as
+/// connected: the client sent its RTU and would meet `PeerDisconnected` on
+/// its first I/O, which a TCP client never sees from a slow `accept`.
+fn established_wait_limit(connect_timeout: Duration) -> Duration {
+    connect_timeout.max(ESTABLISHED_WAIT_FLOOR)
+}
+
+/// Waits for the CM event that ends a passive handshake. `Ok(true)`:
+/// ESTABLISHED. `Ok(false)`: any other event (the CM gave up on its REP,
+/// the client rejected or went away). `TimedOut { stage:
+/// AwaitingEstablished }` after `limit`; `Verbs` if the event could not be
+/// read.
+async fn established(
+    event: impl Future<Output = std::io::Result<CmEvent>>,
+    limit: Duration,
+    peer_addr: SocketAddr,
+) -> Result<bool> {
+    let ev = tokio::time::timeout(limit, event)
+        .await
+        .map_err(|_| Error::TimedOut {
+            addr: peer_addr,
+            stage: ConnectStage::AwaitingEstablished,
+        })?
+        .map_err(|source| Error::Verbs {
+            op: "rdma_get_cm_event",
+            source,
+        })?;
+    if ev.kind != CmEventKind::Established {
+        debug!(kind = ?ev.kind, status = ev.status, "connection not established");
+        return Ok(false);
+    }
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     fn addr() -> SocketAddr {
         "10.12.0.1:7810".parse().unwrap()
@@ -540,6 +575,67 @@ mod tests {
                 ..
             }
         )
+    }
+
+    fn cm_event(kind: CmEventKind, status: i32) -> std::io::Result<CmEvent> {
+        Ok(CmEvent {
+            kind,
+            status,
+            new_id: None,
+            private_data: Vec::new(),
+        })
+    }
+
+    /// A listener whose `connect_timeout` is shorter than the client's
+    /// path to its RTU still takes the connection: the wait ends with the
+    /// CM's verdict, not the connect timeout.
+    #[tokio::test(start_paused = true)]
+    async fn a_listener_waits_past_its_connect_timeout_for_established() {
+        let connect_timeout = Duration::from_millis(1);
+        let limit = established_wait_limit(connect_timeout);
+        assert_eq!(limit, Duration::from_secs(300));
+        let start = tokio::time::Instant::now();
+        let late = async {
+            tokio::time::sleep(Duration::from_secs(70)).await;
+            cm_event(CmEventKind::Established, 0)
+        };
+        assert!(established(late, limit, addr()).await.unwrap());
+        assert_eq!(start.elapsed(), Duration::from_secs(70));
+        assert_eq!(
+            established_wait_limit(Duration::from_secs(400)),
+            Duration::from_secs(400)
+        );
+    }
+
+    /// The CM's own give-up (REP retries exhausted) or a reject ends the
+    /// handshake without an error; silence until the limit is a timeout of
+    /// the passive stage.
+    #[tokio::test(start_paused = true)]
+    async fn a_listener_ends_a_handshake_on_the_cms_verdict_or_the_limit() {
+        let limit = established_wait_limit(Duration::from_secs(10));
+        for kind in [
+            CmEventKind::ConnectError,
+            CmEventKind::Unreachable,
+            CmEventKind::Rejected,
+        ] {
+            let ev = std::future::ready(cm_event(kind, -libc::ETIMEDOUT));
+            assert!(!established(ev, limit, addr()).await.unwrap(), "{kind:?}");
+        }
+        let start = tokio::time::Instant::now();
+        let e = established(std::future::pending(), limit, addr())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::TimedOut {
+                    stage: ConnectStage::AwaitingEstablished,
+                    addr: a,
+                } if a == addr()
+            ),
+            "{e:?}"
+        );
+        assert_eq!(start.elapsed(), Duration::from_secs(300));
     }
 
     /// The timeout running out during the retry that follows a busy reject
