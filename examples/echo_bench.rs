@@ -58,6 +58,42 @@ enum Flavor {
     Multi,
 }
 
+/// How `suite` counts the syscalls of both processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum SyscallCounter {
+    /// The kernel's syscall tracepoints (`perf stat -e
+    /// raw_syscalls:sys_enter` and one `syscalls:sys_enter_NAME` per
+    /// [`PERF_SYSCALLS`] name): counted as they happen, nothing slowed.
+    Perf,
+    /// `strace -c -f`: every name, but each syscall stops the process.
+    /// On the multi-thread runtime that slowdown itself adds futex calls
+    /// (a round trip outlasts the driver's 5 ms tick, which then meets the
+    /// reader on the connection's lock; benches/README.md, "A spin's clock
+    /// reads, and the futex calls of the multi-thread runtime").
+    Strace,
+}
+
+/// The syscalls `--syscalls perf` counts by name (the rest is summed as
+/// `other`): what a round trip of tokio and rdma-core calls.
+const PERF_SYSCALLS: [&str; 16] = [
+    "futex",
+    "clock_gettime",
+    "epoll_wait",
+    "epoll_pwait",
+    "read",
+    "write",
+    "ioctl",
+    "recvfrom",
+    "sendto",
+    "readv",
+    "writev",
+    "sched_yield",
+    "poll",
+    "mmap",
+    "munmap",
+    "madvise",
+];
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Echo every connection until EOF. Prints `listening PORT`, then for
@@ -134,9 +170,12 @@ enum Cmd {
         /// Measured requests per 64 B case (bulk cases run a quarter).
         #[arg(long, default_value_t = 20_000)]
         requests: u64,
-        /// Also count syscalls (strace -c -f of both processes) in a
-        /// separate short run of the 64 B cases.
-        #[arg(long)]
+        /// Also count syscalls per round trip of both processes in a
+        /// separate short run of the 64 B cases, with this counter.
+        #[arg(long, value_enum)]
+        syscalls: Option<SyscallCounter>,
+        /// Same as `--syscalls strace`.
+        #[arg(long, conflicts_with = "syscalls")]
         strace: bool,
         /// The servers run on this other host (two hosts on a wire):
         /// `echo_bench server` on the ports of [`remote_port`] and perftest
@@ -488,13 +527,15 @@ fn main() -> std::process::ExitCode {
             device,
             gid_index,
             requests,
+            syscalls,
             strace,
             server_ip,
             label,
         } => {
+            let counter = syscalls.or(strace.then_some(SyscallCounter::Strace));
             let rt = runtime(Flavor::Multi);
             rt.block_on(suite(
-                ip, device, gid_index, requests, strace, server_ip, &label,
+                ip, device, gid_index, requests, counter, server_ip, &label,
             ));
         }
     }
@@ -542,9 +583,14 @@ fn field(line: &str, key: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
-/// Calls per syscall in an `strace -c` summary, clock reads left out (no
-/// vDSO in the TCG guest: a host pays none for them).
-fn syscall_counts(summary: &str) -> Vec<(String, f64)> {
+/// Whether `name` reads the clock (no vDSO in the TCG guest: a host pays
+/// no syscall for it, so the counts leave it out).
+fn is_clock_read(name: &str) -> bool {
+    matches!(name, "clock_gettime" | "gettimeofday" | "clock_getres")
+}
+
+/// Calls per syscall in an `strace -c` summary, clock reads left out.
+fn strace_counts(summary: &str) -> Vec<(String, f64)> {
     summary
         .lines()
         .filter_map(|l| {
@@ -552,20 +598,52 @@ fn syscall_counts(summary: &str) -> Vec<(String, f64)> {
             // % time, seconds, usecs/call, calls, [errors], syscall
             let name = *cols.last()?;
             let calls: f64 = cols.get(3)?.parse().ok()?;
-            let clock = matches!(name, "clock_gettime" | "gettimeofday" | "clock_getres");
-            (!clock && name != "total").then(|| (name.to_string(), calls))
+            (!is_clock_read(name) && name != "total").then(|| (name.to_string(), calls))
         })
         .collect()
 }
 
-/// Syscalls per round trip of both processes' `strace -c` summaries: the
-/// total, and the four most frequent (`futex 3.1 write 2.0 ...`).
-fn syscall_profile(server: &str, client: &str, round_trips: f64) -> (f64, String) {
+/// Calls per syscall in `perf stat -x,` output of [`SyscallCounter::Perf`],
+/// clock reads left out; the calls of names not in [`PERF_SYSCALLS`] are
+/// `other` (all syscalls minus the named ones).
+fn perf_counts(stat: &str) -> Vec<(String, f64)> {
+    let mut all = 0.0;
+    let mut named = 0.0;
+    let mut counts = Vec::new();
+    for l in stat.lines() {
+        // count,unit,event,...; "<not counted>" lines do not parse.
+        let mut cols = l.split(',');
+        let (Some(count), Some(_), Some(event)) = (cols.next(), cols.next(), cols.next()) else {
+            continue;
+        };
+        let Ok(calls) = count.parse::<f64>() else {
+            continue;
+        };
+        if event == "raw_syscalls:sys_enter" {
+            all = calls;
+        } else if let Some(name) = event.strip_prefix("syscalls:sys_enter_") {
+            named += calls;
+            if !is_clock_read(name) && calls > 0.0 {
+                counts.push((name.to_string(), calls));
+            }
+        }
+    }
+    if all > named {
+        counts.push(("other".to_string(), all - named));
+    }
+    counts
+}
+
+/// Syscalls per round trip of both processes' counts (clock reads left
+/// out): the total, and the four most frequent (`futex 3.1, write 2.0,
+/// ...`).
+fn syscall_profile(
+    server: Vec<(String, f64)>,
+    client: Vec<(String, f64)>,
+    round_trips: f64,
+) -> (f64, String) {
     let mut by_name: Vec<(String, f64)> = Vec::new();
-    for (name, calls) in syscall_counts(server)
-        .into_iter()
-        .chain(syscall_counts(client))
-    {
+    for (name, calls) in server.into_iter().chain(client) {
         match by_name.iter_mut().find(|(n, _)| *n == name) {
             Some((_, c)) => *c += calls,
             None => by_name.push((name, calls)),
@@ -629,7 +707,7 @@ fn warmup_for(requests: u64) -> u64 {
     500.min(requests / 4)
 }
 
-/// Runs `cmd` (this binary, maybe under strace) as the client of `c`
+/// Runs `cmd` (this binary, maybe under a syscall counter) as the client of `c`
 /// against `target`; returns its `result` line.
 async fn run_client(
     mut cmd: tokio::process::Command,
@@ -702,20 +780,47 @@ async fn run_remote_case(peer: IpAddr, c: &Case, requests: u64) -> Option<Outcom
     Some(outcome(&result, requests, 0.0, None))
 }
 
-async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<Outcome> {
+async fn run_case(
+    ip: IpAddr,
+    c: &Case,
+    requests: u64,
+    counter: Option<SyscallCounter>,
+) -> Option<Outcome> {
     let me = std::env::current_exe().ok()?;
     let dir = std::env::temp_dir();
-    let trace = |who: &str| dir.join(format!("echo_bench.{who}.strace"));
+    let trace = |who: &str| dir.join(format!("echo_bench.{who}.syscalls"));
     let wrap = |who: &str| -> tokio::process::Command {
-        if strace {
-            let mut cmd = tokio::process::Command::new("strace");
-            cmd.args(["-f", "-c", "-o"]).arg(trace(who)).arg(&me);
-            cmd
-        } else {
-            tokio::process::Command::new(&me)
+        match counter {
+            Some(SyscallCounter::Strace) => {
+                let mut cmd = tokio::process::Command::new("strace");
+                cmd.args(["-f", "-c", "-o"]).arg(trace(who)).arg(&me);
+                cmd
+            }
+            Some(SyscallCounter::Perf) => {
+                let events = std::iter::once("raw_syscalls:sys_enter".to_string())
+                    .chain(
+                        PERF_SYSCALLS
+                            .iter()
+                            .map(|n| format!("syscalls:sys_enter_{n}")),
+                    )
+                    .collect::<Vec<_>>()
+                    .join(",");
+                let mut cmd = tokio::process::Command::new("perf");
+                cmd.args(["stat", "-x,", "-e", &events, "-o"])
+                    .arg(trace(who))
+                    .arg("--")
+                    .arg(&me);
+                cmd
+            }
+            None => tokio::process::Command::new(&me),
         }
     };
-    let mut server = wrap("server")
+    let mut server = wrap("server");
+    if counter == Some(SyscallCounter::Perf) {
+        // perf stat reports the SIGINT that ends the server on stderr.
+        server.stderr(Stdio::null());
+    }
+    let mut server = server
         .args([
             "server",
             &format!("{}://{ip}:0", c.scheme),
@@ -741,20 +846,29 @@ async fn run_case(ip: IpAddr, c: &Case, requests: u64, strace: bool) -> Option<O
         .ok()?
         .ok()??;
     let server_cpu: f64 = closed.split_whitespace().nth(2)?.parse().ok()?;
-    if strace {
-        // SIGTERM lets strace write its summary.
-        if let Some(pid) = server.id() {
-            let _ = std::process::Command::new("kill")
-                .arg(pid.to_string())
-                .status();
-        }
+    if let (Some(counter), Some(pid)) = (counter, server.id()) {
+        // SIGTERM lets strace write its summary; perf stat writes its
+        // counts once the server it runs ends (SIGINT to perf's children).
+        let (args, pid) = match counter {
+            SyscallCounter::Strace => (["kill", "-TERM"], pid.to_string()),
+            SyscallCounter::Perf => (["pkill", "-INT"], format!("-P{pid}")),
+        };
+        let _ = std::process::Command::new(args[0])
+            .arg(args[1])
+            .arg(pid)
+            .status();
     }
     let _ = tokio::time::timeout(Duration::from_secs(10), server.wait()).await;
     let total = (requests + warmup_for(requests)) as f64;
-    let syscalls_per_rt = strace.then(|| {
-        let s = std::fs::read_to_string(trace("server")).unwrap_or_default();
-        let c = std::fs::read_to_string(trace("client")).unwrap_or_default();
-        syscall_profile(&s, &c, total)
+    let syscalls_per_rt = counter.map(|counter| {
+        let read = |who: &str| {
+            let text = std::fs::read_to_string(trace(who)).unwrap_or_default();
+            match counter {
+                SyscallCounter::Strace => strace_counts(&text),
+                SyscallCounter::Perf => perf_counts(&text),
+            }
+        };
+        syscall_profile(read("server"), read("client"), total)
     });
     // Client: measured requests only; server: its whole life (warm-up and
     // setup included) spread over every request it echoed.
@@ -771,14 +885,14 @@ async fn suite(
     device: String,
     gid_index: u32,
     requests: u64,
-    strace: bool,
+    counter: Option<SyscallCounter>,
     server_ip: Option<IpAddr>,
     label: &str,
 ) {
     let run = |c: Case, n: u64| async move {
         match server_ip {
             Some(peer) => run_remote_case(peer, &c, n).await,
-            None => run_case(ip, &c, n, false).await,
+            None => run_case(ip, &c, n, None).await,
         }
     };
     let perf = |tool: &'static str, args: Vec<String>, port: u16| async move {
@@ -1045,13 +1159,17 @@ async fn suite(
         }
     }
 
-    if strace && server_ip.is_none() {
+    if let (Some(counter), None) = (counter, server_ip) {
+        let how = match counter {
+            SyscallCounter::Perf => "perf stat, syscall tracepoints",
+            SyscallCounter::Strace => "strace -c -f",
+        };
         println!();
         println!(
-            "syscalls per round trip, both processes, clock reads left out (strace -c -f; perftest: 2); the most frequent"
+            "syscalls per round trip, both processes, clock reads left out ({how}; perftest: 2); the most frequent"
         );
         for c in &latency {
-            match run_case(ip, c, 2000, true).await {
+            match run_case(ip, c, 2000, Some(counter)).await {
                 Some(o) => {
                     let (total, top) = o.syscalls_per_rt.unwrap_or((f64::NAN, String::new()));
                     println!("  {:<48} {total:>7.1}  {top}", c.name);
@@ -1059,5 +1177,52 @@ async fn suite(
                 None => println!("  {:<48} failed", c.name),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `perf stat -x,` lines: clock reads left out, names not counted one
+    /// by one summed as `other`, "<not counted>" skipped.
+    #[test]
+    fn perf_counts_leave_clock_reads_out_and_sum_the_rest_as_other() {
+        let stat = "# started on Thu Dec  3\n\n\
+            1300,,raw_syscalls:sys_enter,1000,100.00,,\n\
+            200,,syscalls:sys_enter_futex,1000,100.00,,\n\
+            700,,syscalls:sys_enter_clock_gettime,1000,100.00,,\n\
+            100,,syscalls:sys_enter_write,1000,100.00,,\n\
+            0,,syscalls:sys_enter_poll,1000,100.00,,\n\
+            <not counted>,,syscalls:sys_enter_readv,0,0.00,,\n";
+        assert_eq!(
+            perf_counts(stat),
+            vec![
+                ("futex".to_string(), 200.0),
+                ("write".to_string(), 100.0),
+                ("other".to_string(), 300.0),
+            ]
+        );
+    }
+
+    /// Both processes' counts add up per name, per round trip.
+    #[test]
+    fn a_profile_adds_both_processes_per_round_trip() {
+        let strace = "% time     seconds  usecs/call     calls    errors syscall\n\
+            ------ ----------- ----------- --------- --------- ----------------\n \
+            60.00    0.006000           3      2000           futex\n \
+            30.00    0.003000           1      3000           clock_gettime\n \
+            10.00    0.001000           1      1000       500 read\n\
+            ------ ----------- ----------- --------- --------- ----------------\n\
+            100.00    0.010000           1      6000       500 total\n";
+        let client = strace_counts(strace);
+        assert_eq!(
+            client,
+            vec![("futex".to_string(), 2000.0), ("read".to_string(), 1000.0)]
+        );
+        let server = vec![("read".to_string(), 3000.0), ("other".to_string(), 1000.0)];
+        let (total, top) = syscall_profile(server, client, 1000.0);
+        assert_eq!(total, 7.0);
+        assert_eq!(top, "read 4.0, futex 2.0, other 1.0");
     }
 }
