@@ -361,11 +361,11 @@ impl RdmaConfig {
     /// handshake; default 10 s). Exceeding it fails with `TimedOut`. A
     /// listener (`bind_with`) does not give up on a request it answered
     /// within this time: it waits for the kernel connection manager's
-    /// verdict (the client's confirmation, or the CM's give-up once its
-    /// answer's retries run out, about a minute), with a safety bound of
-    /// this value or 300 s, whichever is longer. A client that counts
-    /// itself connected is never disconnected because the listener was
-    /// slow, as with TCP's `accept`.
+    /// verdict (the client's confirmation or reject, or the CM's give-up
+    /// on a client that vanished), for at most this value or 60 s,
+    /// whichever is longer (TCP's SYN-RECEIVED lasts about 63 s). A client
+    /// that counts itself connected is not disconnected because the
+    /// listener was slow, as with TCP's `accept`.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
