@@ -73,6 +73,68 @@ enum SyscallCounter {
     Strace,
 }
 
+impl SyscallCounter {
+    /// `me` (this binary) run under the counter, which writes to `out`.
+    fn wrap(self, me: &std::path::Path, out: &std::path::Path) -> tokio::process::Command {
+        match self {
+            SyscallCounter::Strace => {
+                let mut cmd = tokio::process::Command::new("strace");
+                cmd.args(["-f", "-c", "-o"]).arg(out).arg(me);
+                cmd
+            }
+            SyscallCounter::Perf => {
+                let events = std::iter::once("raw_syscalls:sys_enter".to_string())
+                    .chain(
+                        PERF_SYSCALLS
+                            .iter()
+                            .map(|n| format!("syscalls:sys_enter_{n}")),
+                    )
+                    .collect::<Vec<_>>()
+                    .join(",");
+                let mut cmd = tokio::process::Command::new("perf");
+                cmd.args(["stat", "-x,", "-e", &events, "-o"])
+                    .arg(out)
+                    .arg("--")
+                    .arg(me);
+                cmd
+            }
+        }
+    }
+
+    /// Ends a server started by [`SyscallCounter::wrap`] (`pid`: the
+    /// counter's) so that the counter writes its figures: SIGTERM to
+    /// strace, which then writes its summary; SIGINT to perf's child, the
+    /// server, after which perf writes its counts.
+    fn stop(self, pid: u32) {
+        let _ = match self {
+            SyscallCounter::Strace => std::process::Command::new("kill")
+                .arg("-TERM")
+                .arg(pid.to_string())
+                .status(),
+            SyscallCounter::Perf => std::process::Command::new("pkill")
+                .arg("-INT")
+                .arg(format!("-P{pid}"))
+                .status(),
+        };
+    }
+
+    /// Calls per syscall in what the counter wrote, clock reads left out.
+    fn counts(self, text: &str) -> Vec<(String, f64)> {
+        match self {
+            SyscallCounter::Strace => strace_counts(text),
+            SyscallCounter::Perf => perf_counts(text),
+        }
+    }
+
+    /// How the counts were taken, for the table's header.
+    fn describe(self) -> &'static str {
+        match self {
+            SyscallCounter::Perf => "perf stat, syscall tracepoints",
+            SyscallCounter::Strace => "strace -c -f",
+        }
+    }
+}
+
 /// The syscalls `--syscalls perf` counts by name (the rest is summed as
 /// `other`): what a round trip of tokio and rdma-core calls.
 const PERF_SYSCALLS: [&str; 16] = [
@@ -789,31 +851,9 @@ async fn run_case(
     let me = std::env::current_exe().ok()?;
     let dir = std::env::temp_dir();
     let trace = |who: &str| dir.join(format!("echo_bench.{who}.syscalls"));
-    let wrap = |who: &str| -> tokio::process::Command {
-        match counter {
-            Some(SyscallCounter::Strace) => {
-                let mut cmd = tokio::process::Command::new("strace");
-                cmd.args(["-f", "-c", "-o"]).arg(trace(who)).arg(&me);
-                cmd
-            }
-            Some(SyscallCounter::Perf) => {
-                let events = std::iter::once("raw_syscalls:sys_enter".to_string())
-                    .chain(
-                        PERF_SYSCALLS
-                            .iter()
-                            .map(|n| format!("syscalls:sys_enter_{n}")),
-                    )
-                    .collect::<Vec<_>>()
-                    .join(",");
-                let mut cmd = tokio::process::Command::new("perf");
-                cmd.args(["stat", "-x,", "-e", &events, "-o"])
-                    .arg(trace(who))
-                    .arg("--")
-                    .arg(&me);
-                cmd
-            }
-            None => tokio::process::Command::new(&me),
-        }
+    let wrap = |who: &str| match counter {
+        Some(counter) => counter.wrap(&me, &trace(who)),
+        None => tokio::process::Command::new(&me),
     };
     let mut server = wrap("server");
     if counter == Some(SyscallCounter::Perf) {
@@ -847,27 +887,13 @@ async fn run_case(
         .ok()??;
     let server_cpu: f64 = closed.split_whitespace().nth(2)?.parse().ok()?;
     if let (Some(counter), Some(pid)) = (counter, server.id()) {
-        // SIGTERM lets strace write its summary; perf stat writes its
-        // counts once the server it runs ends (SIGINT to perf's children).
-        let (args, pid) = match counter {
-            SyscallCounter::Strace => (["kill", "-TERM"], pid.to_string()),
-            SyscallCounter::Perf => (["pkill", "-INT"], format!("-P{pid}")),
-        };
-        let _ = std::process::Command::new(args[0])
-            .arg(args[1])
-            .arg(pid)
-            .status();
+        counter.stop(pid);
     }
     let _ = tokio::time::timeout(Duration::from_secs(10), server.wait()).await;
     let total = (requests + warmup_for(requests)) as f64;
     let syscalls_per_rt = counter.map(|counter| {
-        let read = |who: &str| {
-            let text = std::fs::read_to_string(trace(who)).unwrap_or_default();
-            match counter {
-                SyscallCounter::Strace => strace_counts(&text),
-                SyscallCounter::Perf => perf_counts(&text),
-            }
-        };
+        let read =
+            |who: &str| counter.counts(&std::fs::read_to_string(trace(who)).unwrap_or_default());
         syscall_profile(read("server"), read("client"), total)
     });
     // Client: measured requests only; server: its whole life (warm-up and
@@ -1160,13 +1186,10 @@ async fn suite(
     }
 
     if let (Some(counter), None) = (counter, server_ip) {
-        let how = match counter {
-            SyscallCounter::Perf => "perf stat, syscall tracepoints",
-            SyscallCounter::Strace => "strace -c -f",
-        };
         println!();
         println!(
-            "syscalls per round trip, both processes, clock reads left out ({how}; perftest: 2); the most frequent"
+            "syscalls per round trip, both processes, clock reads left out ({}; perftest: 2); the most frequent",
+            counter.describe()
         );
         for c in &latency {
             match run_case(ip, c, 2000, Some(counter)).await {
