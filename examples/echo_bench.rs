@@ -167,8 +167,9 @@ enum Cmd {
         #[arg(long, value_enum, default_value = "current")]
         runtime: Flavor,
         /// How a reader waits (RdmaConfig::wait_strategy): `adaptive` (the
-        /// default, 100 us limit), `adaptive:US`, `spin:US` (a fixed
-        /// busy-poll budget) or `park`.
+        /// default: a learnt limit from 100 us up to 1,600 us),
+        /// `adaptive:US` (the learnt limit's `max`; 100 or less is a fixed
+        /// limit), `spin:US` (a fixed busy-poll budget) or `park`.
         #[arg(long, default_value = "adaptive")]
         wait: Wait,
         /// RdmaConfig::ring_size, bytes.

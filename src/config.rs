@@ -73,8 +73,11 @@ impl Default for RdmaConfig {
 /// Spinning polls the completion queue in the waiting task's own poll,
 /// holding its runtime worker thread for up to the budget: on a
 /// `current_thread` runtime no other task of that runtime runs meanwhile
-/// (tokio's rule of thumb allows 10 to 100 us between `.await`s, the
-/// bound of the default).
+/// (tokio's rule of thumb allows 10 to 100 us between `.await`s, where
+/// the default's limit starts; it grows past that, up to 1,600 us, only
+/// where a park is measured to cost the connection more than the limit,
+/// as in the Soft-RoCE guest, so other tasks of a `current_thread`
+/// runtime may then wait that long).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WaitStrategy {
     /// Arm the CQ and park at once: no CPU spent waiting, a completion
@@ -84,8 +87,8 @@ pub enum WaitStrategy {
     /// [`RdmaConfig::busy_poll`](RdmaConfig::busy_poll)), then park.
     Spin(Duration),
     /// Spin for a budget learnt from the connection's recent waits, at
-    /// most `max`, then park (the default, with `max` =
-    /// [`DEFAULT_SPIN_MAX`]), on either runtime flavour. On the
+    /// most a limit that is learnt too, then park (the default, with `max`
+    /// = [`DEFAULT_SPIN_MAX`]), on either runtime flavour. On the
     /// multi-thread runtime this pays since the driver task of a
     /// connection with a completion channel of its own (the first 64 of a
     /// process) no longer wakes for the completions a parked reader takes:
@@ -94,40 +97,63 @@ pub enum WaitStrategy {
     /// "Events left to the reader"). A connection on the runtime's shared
     /// channel still wakes its driver for every event.
     ///
-    /// A wait answered while spinning after `t` sets
-    /// the budget toward `2t`; a parked wait that was answered within
-    /// `max` raises it to twice that wait; a parked wait longer than `max`
-    /// halves it, and below [`MIN_SPIN`] it is 0 (park at once) until a
-    /// wait within `max` is seen again, except that one wait in 8 at
-    /// random then spins `max` anyway (a probe): two ends of a ping-pong
-    /// that both park see each other's slow parked answers and would
-    /// otherwise never learn that both spinning answers within `max`. So a
-    /// connection that goes idle spends about `2 x max` of CPU time
-    /// spinning (`max`, `max/2`, ... over its next waits), then `max` per
-    /// 8 waits; a request/response connection whose peer answers within
-    /// `max` spins about twice its usual wait. It does not spin at all while another connection of the
-    /// process ended a wait within the last millisecond: with more than
-    /// one connection at work, a spin would hold up the others on its
-    /// thread (on a `current_thread` server, every request of every other
-    /// connection), so those waits park at once.
+    /// The limit starts at [`ADAPTIVE_SPIN_START`] (100 us, or `max` if
+    /// lower) and doubles, up to `max`, while parking costs the connection
+    /// more than the limit: while its parked waits (those within `max`)
+    /// end later, on their running mean, than its waits answered while
+    /// spinning by more than the limit (spin as long as a park costs, the
+    /// ski-rental rule of spin-then-block). It halves again, not below its
+    /// start, when that cost falls under half the limit. On a NIC a park
+    /// costs microseconds and the limit stays at 100 us; in the Soft-RoCE
+    /// guest a park costs 0.2-2 ms and the limit grows (benches/README.md,
+    /// "A spin limit learnt from what a park costs").
+    ///
+    /// A wait answered while spinning after `t` sets the budget toward
+    /// `2t`; a parked wait that was answered within the limit raises it to
+    /// twice that wait; a parked wait longer than the limit halves it, and
+    /// below [`MIN_SPIN`] it is 0 (park at once) until a wait within the
+    /// limit is seen again, except that one wait in 8 at random then spins
+    /// the limit anyway (a probe): two ends of a ping-pong that both park
+    /// see each other's slow parked answers and would otherwise never
+    /// learn that both spinning answers within the limit. So a connection
+    /// that goes idle spends about twice the limit of CPU time spinning
+    /// (the limit, half of it, ... over its next waits), then the limit
+    /// per 8 waits; a request/response connection whose peer answers
+    /// within the limit spins about twice its usual wait. Waits of an idle
+    /// peer (parked longer than `max`) never raise the limit. It does not
+    /// spin at all while another connection of the process ended a wait
+    /// within the last millisecond: with more than one connection at
+    /// work, a spin would hold up the others on its thread (on a
+    /// `current_thread` server, every request of every other connection),
+    /// so those waits park at once.
     Adaptive {
-        /// The largest budget, per wait.
+        /// The largest limit, so the largest spin of one wait.
         max: Duration,
     },
 }
 
-/// The default [`WaitStrategy::Adaptive`] limit: 100 us, the upper end of
-/// tokio's rule of thumb for the time between two `.await`s ("no more than
-/// 10 to 100 microseconds", tokio's docs on blocking) and Linux's
-/// recommended `net.core.busy_poll` for several hundred sockets
-/// (Documentation/admin-guide/sysctl/net.rst; 50 us for a few). On a NIC,
-/// where a round trip takes a few microseconds, the learnt budget stays
-/// near twice that and the limit only bounds it; in the Soft-RoCE guest
-/// (a 64 B round trip of raw verbs: 90-180 us) 100 us took the 64 B round
-/// trip's mean on the current_thread runtime to 0.5-0.9x the build that
-/// parked at once, where 50 us gave 0.8-1.5x (benches/README.md, "Spin,
-/// then park").
-pub const DEFAULT_SPIN_MAX: Duration = Duration::from_micros(100);
+/// Where the [`WaitStrategy::Adaptive`] limit starts, and its floor: 100
+/// us, the upper end of tokio's rule of thumb for the time between two
+/// `.await`s ("no more than 10 to 100 microseconds", tokio's docs on
+/// blocking) and Linux's recommended `net.core.busy_poll` for several
+/// hundred sockets (Documentation/admin-guide/sysctl/net.rst; 50 us for a
+/// few). On a NIC, where a round trip takes a few microseconds, the learnt
+/// budget stays near twice that and the limit only bounds it; in the
+/// Soft-RoCE guest (a 64 B round trip of raw verbs: 90-180 us) a fixed 100
+/// us limit took the 64 B round trip's mean on the current_thread runtime
+/// to 0.5-0.9x the build that parked at once, where 50 us gave 0.8-1.5x
+/// (benches/README.md, "Spin, then park").
+pub const ADAPTIVE_SPIN_START: Duration = Duration::from_micros(100);
+
+/// The default [`WaitStrategy::Adaptive`] `max`, the most the learnt limit
+/// grows to: 1,600 us, four doublings of [`ADAPTIVE_SPIN_START`]. In the
+/// Soft-RoCE guest on the multi-thread runtime a fixed 1,500 us limit gave
+/// 0.47-0.55x the 64 B round trip's mean of a fixed 100 us, with less CPU
+/// per round trip (a park there costs more CPU than the spin it replaces),
+/// where 400 us gave 0.87-0.93x (benches/README.md, "Syscalls counted by
+/// the kernel"). The limit reaches it only where parking is measured to
+/// cost more than spinning (see [`WaitStrategy::Adaptive`]).
+pub const DEFAULT_SPIN_MAX: Duration = Duration::from_micros(1600);
 
 /// Budgets below this (1 us) are not worth a spin: the adaptive budget
 /// drops to 0 instead.
@@ -323,16 +349,17 @@ impl RdmaConfig {
     /// How a task that found nothing to receive (a stream's `poll_read`, a
     /// message endpoint's `recv`) waits: park on the completion event at
     /// once, spin a fixed budget first, or (default)
-    /// [`WaitStrategy::Adaptive`] with a 100 us limit
-    /// ([`DEFAULT_SPIN_MAX`]): spin about twice the connection's recent
-    /// waits while they stay under the limit and no other connection of
-    /// the process is at work, otherwise park at once. A spin holds the
-    /// task's worker thread (on a `current_thread` runtime, every other
-    /// task of it) for up to the budget; an idle connection spends about
-    /// twice the limit of CPU time spinning, then the limit once per 8
-    /// waits (a probe, [`WaitStrategy::Adaptive`]).
+    /// [`WaitStrategy::Adaptive`]: spin about twice the connection's recent
+    /// waits while they stay under a learnt limit (100 us,
+    /// [`ADAPTIVE_SPIN_START`], growing up to 1,600 us,
+    /// [`DEFAULT_SPIN_MAX`], where parking is measured to cost more) and
+    /// no other connection of the process is at work, otherwise park at
+    /// once. A spin holds the task's worker thread (on a `current_thread`
+    /// runtime, every other task of it) for up to the budget; an idle
+    /// connection spends about twice the limit of CPU time spinning, then
+    /// the limit once per 8 waits (a probe, [`WaitStrategy::Adaptive`]).
     /// Measured in the Soft-RoCE guest: benches/README.md, "Spin, then
-    /// park".
+    /// park" and "A spin limit learnt from what a park costs".
     pub fn wait_strategy(mut self, strategy: WaitStrategy) -> Self {
         self.wait_strategy = strategy;
         self

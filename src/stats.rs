@@ -54,6 +54,11 @@ pub struct ConnectionStats {
     /// and returned `Pending` (again after each wake-up that brought
     /// nothing).
     pub read_parks: u64,
+    /// The spin limit the connection has learnt, in microseconds
+    /// (`WaitStrategy::Adaptive`: from 100 us up to its `max`, see there;
+    /// the fixed budget of `WaitStrategy::Spin`; 0 for
+    /// `WaitStrategy::Park`).
+    pub spin_limit_us: u64,
     /// Completion events the connection's driver task left to a reader
     /// parked on the completion queue instead of waking for them too (on
     /// a completion channel of the connection's own; see the README's

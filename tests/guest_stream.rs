@@ -956,8 +956,9 @@ fn connections_on_three_runtimes_one_shut_down() {
 /// The wait strategies on the real data path, 200 round trips of 64 B
 /// each: with a 2 s spin budget every read that finds nothing is answered
 /// while spinning (no read parks, on either end); parking at once never
-/// counts a spin. The server runs on a thread and runtime of its own, so a
-/// spinning client never holds it up.
+/// counts a spin. Both ends report the strategy's limit
+/// (`spin_limit_us`). The server runs on a thread and runtime of its own,
+/// so a spinning client never holds it up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_strategies_spin_or_park_as_configured() {
     const ROUNDS: u64 = 200;
@@ -1013,6 +1014,16 @@ async fn wait_strategies_spin_or_park_as_configured() {
         let client = c.stats();
         let (echoed, server) = server.join().expect("server thread").expect("server");
         assert_eq!(echoed, ROUNDS);
+        // the limit each end reports: the fixed budget, or 0 for parking
+        let limit_us = match strategy {
+            WaitStrategy::Spin(d) => d.as_micros() as u64,
+            _ => 0,
+        };
+        assert_eq!(
+            (client.spin_limit_us, server.spin_limit_us),
+            (limit_us, limit_us),
+            "{strategy:?}"
+        );
         match strategy {
             WaitStrategy::Park => {
                 assert_eq!((client.spin_hits, server.spin_hits), (0, 0), "{strategy:?}");

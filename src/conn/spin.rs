@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::config::{MIN_SPIN, WaitStrategy};
+use crate::config::{ADAPTIVE_SPIN_START, MIN_SPIN, WaitStrategy};
 
 /// One in this many waits of a connection whose learnt budget is zero
 /// spins the full limit anyway (a probe), at random.
@@ -28,24 +28,76 @@ use crate::config::{MIN_SPIN, WaitStrategy};
 /// or slow connection pays one spin of the limit per 8 waits.
 pub(crate) const PROBE_ONE_IN: u64 = 8;
 
-/// The adaptive budget (pure: the caller passes measured waits and the
-/// probes' random seed).
+/// The limit is reviewed once per this many waits (16): often enough to
+/// reach [`DEFAULT_SPIN_MAX`] from [`ADAPTIVE_SPIN_START`] (four
+/// doublings) within a hundred round trips, seldom enough that each review
+/// sees a few new waits of both kinds.
+pub(crate) const LIMIT_REVIEW_WAITS: u32 = 16;
+
+/// The adaptive budget and its limit (pure: the caller passes measured
+/// waits and the probes' random seed).
+///
+/// The budget follows the connection's waits (about twice a wait answered
+/// while spinning) up to a *limit*, which is itself learnt: it starts at
+/// [`ADAPTIVE_SPIN_START`] (or `max` if that is lower) and doubles, up to
+/// `max`, while parking is measured to cost this connection more than the
+/// limit. The cost of a park, as seen here, is how much later a parked
+/// wait ends than a wait answered while spinning: the gap between the
+/// running means (weight 1/8) of the two kinds, counting only parked
+/// waits within `max` (a longer one is an idle peer, which no spin would
+/// have caught). That is the ski-rental rule behind spin-then-block
+/// (Karlin, Manasse, McGeoch and Owicki, "Competitive randomized
+/// algorithms for non-uniform problems", 1994): spin for as long as
+/// parking costs. The limit halves, not below its start, when that gap is
+/// under half the limit. On a NIC a park costs a few microseconds and the
+/// limit stays at its start; in the Soft-RoCE guest under TCG a parked
+/// wait ended 0.2-2 ms after the peer's answer, where both ends spinning
+/// answer in about 70 us (benches/README.md, "A spin limit learnt from
+/// what a park costs").
+///
+/// [`DEFAULT_SPIN_MAX`]: crate::config::DEFAULT_SPIN_MAX
+/// [`ADAPTIVE_SPIN_START`]: crate::config::ADAPTIVE_SPIN_START
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SpinBudget {
     budget: Duration,
+    /// The learnt limit: `start..=max`.
+    limit: Duration,
+    start: Duration,
     max: Duration,
+    /// Running mean of parked waits within `max`.
+    parked_mean: Option<Duration>,
+    /// Running mean of waits answered while spinning.
+    spun_mean: Option<Duration>,
+    /// Waits since the limit was last reviewed.
+    since_review: u32,
     /// xorshift64 state for the probes (never 0).
     rng: u64,
 }
 
+/// `mean` moved 1/8 of the way to `sample` (the first sample sets it).
+fn running_mean(mean: Option<Duration>, sample: Duration) -> Duration {
+    match mean {
+        None => sample,
+        Some(m) if sample >= m => m + (sample - m) / 8,
+        Some(m) => m - (m - sample) / 8,
+    }
+}
+
 impl SpinBudget {
-    /// Starts at `max`: a fresh connection spins its first wait fully.
-    /// A `max` below [`MIN_SPIN`] never spins. `seed` picks the probes.
-    pub(crate) fn new(max: Duration, seed: u64) -> Self {
+    /// Starts with budget and limit at `start` (or `max` if lower): a
+    /// fresh connection spins its first wait that long. A `max` below
+    /// [`MIN_SPIN`] never spins. `seed` picks the probes.
+    pub(crate) fn new(start: Duration, max: Duration, seed: u64) -> Self {
         let max = if max < MIN_SPIN { Duration::ZERO } else { max };
+        let start = start.max(MIN_SPIN).min(max);
         SpinBudget {
-            budget: max,
+            budget: start,
+            limit: start,
+            start,
             max,
+            parked_mean: None,
+            spun_mean: None,
+            since_review: 0,
             rng: splitmix64(seed) | 1,
         }
     }
@@ -53,6 +105,11 @@ impl SpinBudget {
     /// The learnt budget.
     pub(crate) fn budget(&self) -> Duration {
         self.budget
+    }
+
+    /// The learnt limit.
+    pub(crate) fn limit(&self) -> Duration {
+        self.limit
     }
 
     /// How long the next wait spins before it parks: the learnt budget,
@@ -66,7 +123,7 @@ impl SpinBudget {
         self.rng ^= self.rng >> 7;
         self.rng ^= self.rng << 17;
         if self.rng % PROBE_ONE_IN == 0 {
-            self.max
+            self.limit
         } else {
             Duration::ZERO
         }
@@ -79,7 +136,12 @@ impl SpinBudget {
         if self.max.is_zero() {
             return;
         }
-        let twice = waited.saturating_mul(2).clamp(MIN_SPIN, self.max);
+        if !parked {
+            self.spun_mean = Some(running_mean(self.spun_mean, waited));
+        } else if waited <= self.max {
+            self.parked_mean = Some(running_mean(self.parked_mean, waited));
+        }
+        let twice = waited.saturating_mul(2).clamp(MIN_SPIN, self.limit);
         if !parked && twice > self.budget {
             // Answered after more than half the budget (or beyond it, a
             // probe's): up to twice the wait at once.
@@ -87,8 +149,8 @@ impl SpinBudget {
         } else if !parked {
             // Answered while spinning: move halfway down toward twice the
             // wait.
-            self.budget = ((self.budget + twice) / 2).max(MIN_SPIN).min(self.max);
-        } else if waited <= self.max {
+            self.budget = ((self.budget + twice) / 2).max(MIN_SPIN).min(self.limit);
+        } else if waited <= self.limit {
             // A longer spin would have caught it.
             self.budget = self.budget.max(twice);
         } else {
@@ -96,6 +158,27 @@ impl SpinBudget {
             if self.budget < MIN_SPIN {
                 self.budget = Duration::ZERO;
             }
+        }
+        self.since_review += 1;
+        if self.since_review >= LIMIT_REVIEW_WAITS {
+            self.since_review = 0;
+            self.review_limit();
+        }
+    }
+
+    /// Doubles the limit (up to `max`) when parking costs more than the
+    /// limit, halves it (down to its start) when parking costs less than
+    /// half of it; see the type's docs.
+    fn review_limit(&mut self) {
+        let (Some(parked), Some(spun)) = (self.parked_mean, self.spun_mean) else {
+            return;
+        };
+        let park_cost = parked.saturating_sub(spun);
+        if park_cost > self.limit {
+            self.limit = self.limit.saturating_mul(2).min(self.max);
+        } else if park_cost < self.limit / 2 {
+            self.limit = (self.limit / 2).max(self.start);
+            self.budget = self.budget.min(self.limit);
         }
     }
 }
@@ -238,7 +321,11 @@ impl SpinWait {
         let id = WAIT_IDS.fetch_add(1, Ordering::Relaxed);
         SpinWait {
             strategy,
-            learnt: SpinBudget::new(max, id ^ (u64::from(std::process::id()) << 32)),
+            learnt: SpinBudget::new(
+                ADAPTIVE_SPIN_START,
+                max,
+                id ^ (u64::from(std::process::id()) << 32),
+            ),
             current: None,
             id,
             recent,
@@ -278,6 +365,17 @@ impl SpinWait {
         }
         wait.spun = true;
         Some(wait.start + budget)
+    }
+
+    /// The spin limit now, in microseconds: the learnt one, the fixed
+    /// budget, or 0 (park).
+    pub(crate) fn limit_us(&self) -> u64 {
+        let limit = match self.strategy {
+            WaitStrategy::Park => Duration::ZERO,
+            WaitStrategy::Spin(d) => d,
+            WaitStrategy::Adaptive { .. } => self.learnt.limit(),
+        };
+        u64::try_from(limit.as_micros()).unwrap_or(u64::MAX)
     }
 
     /// When the wait in progress began.
@@ -344,7 +442,7 @@ mod tests {
 
     #[test]
     fn starts_at_max_and_follows_twice_a_spun_wait() {
-        let mut b = SpinBudget::new(us(50), 1);
+        let mut b = SpinBudget::new(us(50), us(50), 1);
         assert_eq!(b.budget(), us(50));
         b.record(us(10), false);
         // halfway from 50 toward 20
@@ -358,14 +456,14 @@ mod tests {
 
     #[test]
     fn a_spun_wait_longer_than_half_max_targets_max() {
-        let mut b = SpinBudget::new(us(50), 1);
+        let mut b = SpinBudget::new(us(50), us(50), 1);
         b.record(us(40), false);
         assert_eq!(b.budget(), us(50));
     }
 
     #[test]
     fn long_parked_waits_halve_the_budget_down_to_zero() {
-        let mut b = SpinBudget::new(us(50), 1);
+        let mut b = SpinBudget::new(us(50), us(50), 1);
         let mut seen = Vec::new();
         for _ in 0..7 {
             b.record(us(1_000_000), true);
@@ -384,7 +482,7 @@ mod tests {
 
     #[test]
     fn a_parked_wait_within_max_restores_spinning() {
-        let mut b = SpinBudget::new(us(50), 1);
+        let mut b = SpinBudget::new(us(50), us(50), 1);
         for _ in 0..6 {
             b.record(us(500), true);
         }
@@ -401,7 +499,7 @@ mod tests {
     #[test]
     fn a_max_below_min_spin_never_spins() {
         for max in [Duration::ZERO, Duration::from_nanos(999)] {
-            let mut b = SpinBudget::new(max, 1);
+            let mut b = SpinBudget::new(max, max, 1);
             assert_eq!(b.budget(), Duration::ZERO);
             b.record(us(1), false);
             assert_eq!(b.budget(), Duration::ZERO);
@@ -453,18 +551,21 @@ mod tests {
         let adaptive = WaitStrategy::Adaptive { max: hour };
         let mut a = SpinWait::with_recent(adaptive, recent);
         let mut b = SpinWait::with_recent(adaptive, recent);
-        // nobody waited yet: a spins its full budget
+        // nobody waited yet: a spins its first budget, the limit's start
         let da = a.begin();
-        assert_eq!(da, Some(a.started().expect("a wait began") + hour));
+        assert_eq!(
+            da,
+            Some(a.started().expect("a wait began") + ADAPTIVE_SPIN_START)
+        );
         a.ready();
         // a's own ended wait does not stop a from spinning again (for the
-        // budget that wait taught it: about half an hour)
+        // budget that wait taught it)
         let da = a.begin();
+        assert!(a.learnt.budget() >= MIN_SPIN);
         assert_eq!(
             da,
             Some(a.started().expect("a wait began") + a.learnt.budget())
         );
-        assert!(a.learnt.budget() > Duration::from_secs(1700));
         // but it stops b (within the window), which still times its wait
         assert_eq!(b.begin(), None);
         assert!(b.started().is_some());
@@ -476,7 +577,7 @@ mod tests {
 
     #[test]
     fn a_zero_budget_probes_the_limit_one_wait_in_eight() {
-        let mut b = SpinBudget::new(us(100), 7);
+        let mut b = SpinBudget::new(us(100), us(100), 7);
         // A learnt budget is used as it is, never replaced by a probe.
         for _ in 0..100 {
             assert_eq!(b.next_wait(), us(100));
@@ -493,7 +594,7 @@ mod tests {
             "{probes} probes in 8000 waits"
         );
         // A limit below MIN_SPIN never spins, probe or not.
-        let mut never = SpinBudget::new(Duration::from_nanos(500), 7);
+        let mut never = SpinBudget::new(Duration::from_nanos(500), Duration::from_nanos(500), 7);
         assert!((0..1000).all(|_| never.next_wait().is_zero()));
     }
 
@@ -502,7 +603,10 @@ mod tests {
     /// (budget zero); probes find the fast state and both stay there.
     #[test]
     fn probes_take_two_parked_ends_of_a_ping_pong_back_to_spinning() {
-        let (mut a, mut b) = (SpinBudget::new(us(100), 1), SpinBudget::new(us(100), 2));
+        let (mut a, mut b) = (
+            SpinBudget::new(us(100), us(100), 1),
+            SpinBudget::new(us(100), us(100), 2),
+        );
         for _ in 0..20 {
             a.record(us(300), true);
             b.record(us(300), true);
@@ -553,14 +657,94 @@ mod tests {
             },
             private_recent(),
         );
-        assert_eq!(w.learnt.budget(), Duration::from_secs(3600));
+        assert_eq!(w.learnt.budget(), ADAPTIVE_SPIN_START);
         for _ in 0..40 {
             w.begin();
             w.ready();
         }
-        // forty waits answered at once (well under a second each) pull
-        // the budget from an hour to under a second
-        assert!(w.learnt.budget() < Duration::from_secs(1));
+        // forty waits answered at once pull the budget under its start;
+        // no parked wait, so no evidence that parking costs: the limit
+        // stays at its start
+        assert!(w.learnt.budget() < ADAPTIVE_SPIN_START);
         assert!(w.learnt.budget() >= MIN_SPIN);
+        assert_eq!(w.learnt.limit(), ADAPTIVE_SPIN_START);
+    }
+
+    /// Feeds `rounds` pairs of waits: one answered while spinning after
+    /// `spun`, one parked that ended after `parked`; returns the limit
+    /// after each review (every [`LIMIT_REVIEW_WAITS`] waits).
+    fn limits_after(b: &mut SpinBudget, rounds: usize, spun: u64, parked: u64) -> Vec<u128> {
+        let mut seen = Vec::new();
+        for i in 0..rounds {
+            b.record(us(spun), false);
+            b.record(us(parked), true);
+            if (2 * (i + 1)) % LIMIT_REVIEW_WAITS as usize == 0 {
+                seen.push(b.limit().as_micros());
+            }
+        }
+        seen
+    }
+
+    #[test]
+    fn parking_that_costs_more_than_the_limit_doubles_it_up_to_max() {
+        // The guest's multi-thread ping-pong: answered in 70 us when
+        // spinning, 1 ms when parked; a park costs 930 us.
+        let mut b = SpinBudget::new(us(100), us(1600), 1);
+        assert_eq!(b.limit(), us(100));
+        assert_eq!(b.budget(), us(100));
+        let seen = limits_after(&mut b, 48, 70, 1000);
+        assert_eq!(seen, vec![200, 400, 800, 1600, 1600, 1600]);
+        // 930 us is more than half of 1,600: it stays there
+        assert_eq!(limits_after(&mut b, 400, 70, 1000).last(), Some(&1600));
+        // and probes of a zero budget spin the learnt limit
+        for _ in 0..20 {
+            b.record(us(1_000_000), true);
+        }
+        assert_eq!(b.budget(), Duration::ZERO);
+        assert!((0..64).map(|_| b.next_wait()).any(|d| d == us(1600)));
+    }
+
+    #[test]
+    fn a_cheap_park_keeps_the_limit_at_its_start() {
+        // A NIC: answered in 3 us spinning, 20 us parked.
+        let mut b = SpinBudget::new(us(100), us(1600), 1);
+        let seen = limits_after(&mut b, 1000, 3, 20);
+        assert!(seen.iter().all(|l| *l == 100), "{seen:?}");
+        assert_eq!(seen.len(), 125);
+    }
+
+    #[test]
+    fn parked_waits_beyond_max_are_an_idle_peer_and_teach_nothing() {
+        // Answered in 10 us within a burst, then 10 ms of idle peer.
+        let mut b = SpinBudget::new(us(100), us(1600), 1);
+        let seen = limits_after(&mut b, 1000, 10, 10_000);
+        assert!(seen.iter().all(|l| *l == 100), "{seen:?}");
+    }
+
+    #[test]
+    fn the_limit_falls_back_when_parking_gets_cheap() {
+        let mut b = SpinBudget::new(us(100), us(1600), 1);
+        limits_after(&mut b, 64, 70, 1000);
+        assert_eq!(b.limit(), us(1600));
+        // Parked waits now end after 200 us: a park costs 130 us, under
+        // half of 1,600, 800 and 400 us but not of 200 us.
+        let seen = limits_after(&mut b, 2000, 70, 200);
+        assert_eq!(seen.last(), Some(&200));
+        let mut falls: Vec<u128> = seen.clone();
+        falls.dedup();
+        // (the first review already sees the running mean of parked waits
+        // at 474 us: 200 + 800 x (7/8)^8)
+        assert_eq!(falls, vec![800, 400, 200]);
+        assert!(b.budget() <= us(200));
+    }
+
+    #[test]
+    fn a_max_at_or_below_the_start_is_a_fixed_limit() {
+        for max in [us(50), us(100)] {
+            let mut b = SpinBudget::new(us(100), max, 1);
+            assert_eq!((b.budget(), b.limit()), (max, max));
+            let seen = limits_after(&mut b, 200, 70, 1000);
+            assert!(seen.iter().all(|l| *l == max.as_micros()), "{seen:?}");
+        }
     }
 }

@@ -712,6 +712,7 @@ impl MsgConn {
         s.quota_stalls = st.quota.stalls();
         s.spin_hits = st.spin.spin_hits;
         s.recv_parks = st.spin.parks;
+        s.spin_limit_us = st.spin.limit_us();
         s.events_left_to_reader = st
             .qp
             .qp_ref()

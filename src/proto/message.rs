@@ -810,6 +810,9 @@ pub struct MessageStats {
     /// and returned `Pending` (again after each wake-up that brought
     /// nothing; filled by the endpoint, as `ConnectionStats::read_parks`).
     pub recv_parks: u64,
+    /// The spin limit the endpoint has learnt, in microseconds (filled by
+    /// the endpoint, as `ConnectionStats::spin_limit_us`).
+    pub spin_limit_us: u64,
     /// Completion events the driver task left to a parked `recv` (filled
     /// by the endpoint, as `ConnectionStats::events_left_to_reader`).
     pub events_left_to_reader: u64,

@@ -618,6 +618,7 @@ impl Conn {
         s.registered_bytes = st.qp.registered_bytes() as u64;
         s.spin_hits = st.spin.spin_hits;
         s.read_parks = st.spin.parks;
+        s.spin_limit_us = st.spin.limit_us();
         s.events_left_to_reader = st.qp.cq_events().delegation().map_or(0, |d| d.left());
         (s.lock_waits, s.driver_wakeups) = self.contention();
         s
