@@ -99,14 +99,18 @@ pub enum WaitStrategy {
     ///
     /// The limit starts at [`ADAPTIVE_SPIN_START`] (100 us, or `max` if
     /// lower) and doubles, up to `max`, while parking costs the connection
-    /// more than the limit: while its parked waits (those within `max`)
-    /// end later, on their running mean, than its waits answered while
-    /// spinning by more than the limit (spin as long as a park costs, the
-    /// ski-rental rule of spin-then-block). It halves again, not below its
-    /// start, when that cost falls under half the limit. On a NIC a park
-    /// costs microseconds and the limit stays at 100 us; in the Soft-RoCE
-    /// guest a park costs 0.2-2 ms and the limit grows (benches/README.md,
-    /// "A spin limit learnt from what a park costs").
+    /// more than the limit: while its parked waits (those within `max`,
+    /// and not parked for other connections' sake) end later, on their
+    /// running mean, than its waits answered while spinning by more than
+    /// the limit (spin as long as a park costs, the ski-rental rule of
+    /// spin-then-block), and spins that ran past half the limit still
+    /// caught answers. It halves again, not below its start, when that
+    /// cost falls under half the limit; idle waits change nothing. On a
+    /// NIC a park costs microseconds and the limit stays at 100 us unless
+    /// the peer's answer times spread evenly up to `max` (the cost, measured
+    /// as latency, then holds the peer's late answers too); in the
+    /// Soft-RoCE guest a park costs 0.2-2 ms and the limit grows
+    /// (benches/README.md, "A spin limit learnt from what a park costs").
     ///
     /// A wait answered while spinning after `t` sets the budget toward
     /// `2t`; a parked wait that was answered within the limit raises it to

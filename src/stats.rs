@@ -22,7 +22,8 @@ pub enum RemoteAccess {
 
 /// A snapshot of one connection's counters, from
 /// [`RdmaStream::stats`](crate::RdmaStream::stats). All counts start at zero
-/// when the connection is established.
+/// when the connection is established (`spin_limit_us` is a level, not a
+/// count).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ConnectionStats {
@@ -55,7 +56,8 @@ pub struct ConnectionStats {
     /// nothing).
     pub read_parks: u64,
     /// The spin limit the connection has learnt, in microseconds
-    /// (`WaitStrategy::Adaptive`: from 100 us up to its `max`, see there;
+    /// (`WaitStrategy::Adaptive`: from 100 us, or `max` if lower, up to
+    /// its `max`, see there;
     /// the fixed budget of `WaitStrategy::Spin`; 0 for
     /// `WaitStrategy::Park`).
     pub spin_limit_us: u64,

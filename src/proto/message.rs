@@ -739,7 +739,8 @@ impl Delivery {
 }
 
 /// Counters of one message endpoint, from
-/// [`MessageEndpoint::stats`](crate::MessageEndpoint::stats); all start at 0.
+/// [`MessageEndpoint::stats`](crate::MessageEndpoint::stats); all start at 0
+/// (`spin_limit_us` is a level, not a count).
 /// `#[non_exhaustive]`: counters are added as the endpoint grows.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
