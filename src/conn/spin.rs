@@ -787,16 +787,6 @@ mod tests {
     }
 
     #[test]
-    fn answers_at_once_or_much_later_keep_the_limit_at_its_start() {
-        // Half the answers in 5 us, half after 600 us of the peer's work:
-        // the means differ by 595 us, but no spin past 50 us ever caught
-        // an answer.
-        let mut b = SpinBudget::new(us(100), us(1600), 1);
-        let seen = limits_after(&mut b, 1000, 5, 600);
-        assert!(seen.iter().all(|l| *l == 100), "{seen:?}");
-    }
-
-    #[test]
     fn parks_for_other_connections_are_no_sample_of_a_parks_cost() {
         let mut b = SpinBudget::new(us(100), us(1600), 1);
         for _ in 0..400 {
@@ -807,21 +797,25 @@ mod tests {
         assert_eq!(b.parked_mean, None);
     }
 
+    /// Waits that never grow the limit: (answered spinning after, parked
+    /// wait, what it models).
     #[test]
-    fn a_cheap_park_keeps_the_limit_at_its_start() {
-        // A NIC: answered in 3 us spinning, 20 us parked.
-        let mut b = SpinBudget::new(us(100), us(1600), 1);
-        let seen = limits_after(&mut b, 1000, 3, 20);
-        assert!(seen.iter().all(|l| *l == 100), "{seen:?}");
-        assert_eq!(seen.len(), 125);
-    }
-
-    #[test]
-    fn parked_waits_beyond_max_are_an_idle_peer_and_teach_nothing() {
-        // Answered in 10 us within a burst, then 10 ms of idle peer.
-        let mut b = SpinBudget::new(us(100), us(1600), 1);
-        let seen = limits_after(&mut b, 1000, 10, 10_000);
-        assert!(seen.iter().all(|l| *l == 100), "{seen:?}");
+    fn the_limit_stays_at_its_start_where_a_park_is_cheap_or_the_peer_idle() {
+        for (spun, parked, case) in [
+            (3, 20, "a NIC: a park costs 17 us"),
+            (
+                5,
+                600,
+                "answers at once or after 600 us of the peer's work: the \
+                 means differ by 595 us, but no spin past 50 us caught one",
+            ),
+            (10, 10_000, "parked waits beyond max: an idle peer"),
+        ] {
+            let mut b = SpinBudget::new(us(100), us(1600), 1);
+            let seen = limits_after(&mut b, 1000, spun, parked);
+            assert_eq!(seen.len(), 125, "{case}");
+            assert!(seen.iter().all(|l| *l == 100), "{case}: {seen:?}");
+        }
     }
 
     #[test]
