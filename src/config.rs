@@ -105,7 +105,10 @@ pub enum WaitStrategy {
     /// the limit (spin as long as a park costs, the ski-rental rule of
     /// spin-then-block), and spins that ran past half the limit still
     /// caught answers. It halves again, not below its start, when that
-    /// cost falls under half the limit; idle waits change nothing. On a
+    /// cost falls under half the limit; idle waits change nothing, so a
+    /// connection that learnt 1,600 us and then goes idle keeps it, and
+    /// its probes (below) spin 1.6 ms once per 8 waits (on a
+    /// `current_thread` runtime holding its other tasks that long). On a
     /// NIC a park costs microseconds and the limit stays at 100 us unless
     /// the peer's answer times spread evenly up to `max` (the cost, measured
     /// as latency, then holds the peer's late answers too); in the

@@ -251,7 +251,9 @@ impl<D: Driven> Shared<D> {
     /// deadline, releasing the lock between polls so the driver and the
     /// other half can take it. The spin holds the task's thread: on a
     /// `current_thread` runtime every other task of it waits meanwhile
-    /// (within tokio's rule of thumb of 10 to 100 us between `.await`s).
+    /// (tokio's rule of thumb is 10 to 100 us between `.await`s; the
+    /// adaptive limit starts at 100 us and grows past it only where a park
+    /// is measured to cost more, see `WaitStrategy::Adaptive`).
     /// It reads the clock once per [`super::spin::POLLS_PER_CLOCK_READ`]
     /// polls, so it may overshoot the deadline by that many polls.
     /// A cooperative spin (one poll per scheduler turn, the task waking

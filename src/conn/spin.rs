@@ -21,7 +21,7 @@ use crate::config::{ADAPTIVE_SPIN_START, MIN_SPIN, WaitStrategy};
 ///
 /// Without probes two ends of a ping-pong that both park stay parked: each
 /// sees the other's slow, parked answers (on the multi-thread runtime in
-/// the Soft-RoCE guest, 200-400 us against a 100 us limit) and halves its
+/// the Soft-RoCE guest, 200-400 us against the then fixed 100 us limit) and halves its
 /// budget to zero, although both spinning answer within the limit (about
 /// 70 us there). A probe of each end in the same round trip finds that
 /// out: with one in 8 per end, one round trip in 64 on average. An idle
@@ -30,8 +30,9 @@ pub(crate) const PROBE_ONE_IN: u64 = 8;
 
 /// The limit is reviewed once per this many waits (16): often enough to
 /// reach [`DEFAULT_SPIN_MAX`] from [`ADAPTIVE_SPIN_START`] (four
-/// doublings) within a hundred round trips, seldom enough that each review
-/// sees a few new waits of both kinds.
+/// doublings) within about 150 waits where spins keep catching answers
+/// near the limit (the spread-answers unit test: 144), seldom enough that
+/// each review sees a few new waits of both kinds.
 pub(crate) const LIMIT_REVIEW_WAITS: u32 = 16;
 
 /// The adaptive budget and its limit (pure: the caller passes measured
@@ -46,7 +47,8 @@ pub(crate) const LIMIT_REVIEW_WAITS: u32 = 16;
 /// than a wait answered while spinning: the gap between the running means
 /// (weight 1/8) of the two kinds, counting only parked waits within `max`
 /// (a longer one is an idle peer, which no spin would have caught) that
-/// were not parked for other connections' sake. That is the ski-rental
+/// were not parked for other connections' sake (a wait whose budget was
+/// zero parks before that check and does count: it is a plain park). That is the ski-rental
 /// rule behind spin-then-block (Karlin, Manasse, McGeoch and Owicki,
 /// "Competitive randomized algorithms for non-uniform problems", 1994):
 /// spin for as long as parking costs. The limit halves, not below its
