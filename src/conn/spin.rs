@@ -21,9 +21,9 @@ use crate::config::{ADAPTIVE_SPIN_START, MIN_SPIN, WaitStrategy};
 ///
 /// Without probes two ends of a ping-pong that both park stay parked: each
 /// sees the other's slow, parked answers (on the multi-thread runtime in
-/// the Soft-RoCE guest, 200-400 us against the then fixed 100 us limit) and halves its
-/// budget to zero, although both spinning answer within the limit (about
-/// 70 us there). A probe of each end in the same round trip finds that
+/// the Soft-RoCE guest, 200-400 us against the then fixed 100 us limit)
+/// and halves its budget to zero, although both spinning answer within the
+/// limit (about 70 us there). A probe of each end in the same round trip finds that
 /// out: with one in 8 per end, one round trip in 64 on average. An idle
 /// or slow connection pays one spin of the limit per 8 waits.
 pub(crate) const PROBE_ONE_IN: u64 = 8;
@@ -48,10 +48,10 @@ pub(crate) const LIMIT_REVIEW_WAITS: u32 = 16;
 /// (weight 1/8) of the two kinds, counting only parked waits within `max`
 /// (a longer one is an idle peer, which no spin would have caught) that
 /// were not parked for other connections' sake (a wait whose budget was
-/// zero parks before that check and does count: it is a plain park). That is the ski-rental
-/// rule behind spin-then-block (Karlin, Manasse, McGeoch and Owicki,
-/// "Competitive randomized algorithms for non-uniform problems", 1994):
-/// spin for as long as parking costs. The limit halves, not below its
+/// zero parks before that check and does count: it is a plain park).
+/// That is the ski-rental rule behind spin-then-block (Karlin, Manasse,
+/// McGeoch and Owicki, "Competitive randomized algorithms for non-uniform
+/// problems", 1994): spin for as long as parking costs. The limit halves, not below its
 /// start, when that gap is under half the limit. A review needs a new
 /// wait of each kind since the last one, so idle waits change nothing.
 ///
