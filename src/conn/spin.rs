@@ -35,6 +35,11 @@ pub(crate) const PROBE_ONE_IN: u64 = 8;
 /// each review sees a few new waits of both kinds.
 pub(crate) const LIMIT_REVIEW_WAITS: u32 = 16;
 
+/// Samples older than this many review periods (4, so 64 waits) without a
+/// review are dropped: a review weighs what the connection does now, not
+/// a near-limit answer from before a long idle spell.
+pub(crate) const STALE_REVIEWS: u32 = 4;
+
 /// The adaptive budget and its limit (pure: the caller passes measured
 /// waits and the probes' random seed).
 ///
@@ -53,7 +58,9 @@ pub(crate) const LIMIT_REVIEW_WAITS: u32 = 16;
 /// McGeoch and Owicki, "Competitive randomized algorithms for non-uniform
 /// problems", 1994): spin for as long as parking costs. The limit halves, not below its
 /// start, when that gap is under half the limit. A review needs a new
-/// wait of each kind since the last one, so idle waits change nothing.
+/// wait of each kind since the last one, so idle waits change nothing,
+/// and within [`STALE_REVIEWS`] periods, so samples from before an idle
+/// spell do not count.
 ///
 /// The gap also holds how much later the peer answers the waits that
 /// outlast the budget, so it overstates a park's cost where the peer's
@@ -194,8 +201,15 @@ impl SpinBudget {
             }
         }
         self.since_review = self.since_review.saturating_add(1);
-        if self.since_review >= LIMIT_REVIEW_WAITS && self.fresh_parked && self.fresh_spun {
+        let due = self.since_review >= LIMIT_REVIEW_WAITS;
+        if due && self.fresh_parked && self.fresh_spun {
             self.review_limit();
+        }
+        if (due && self.fresh_parked && self.fresh_spun)
+            || self.since_review >= LIMIT_REVIEW_WAITS * STALE_REVIEWS
+        {
+            // Reviewed, or no review for four periods: start afresh, so
+            // an old sample never combines with one from much later.
             self.since_review = 0;
             self.fresh_parked = false;
             self.fresh_spun = false;
@@ -786,6 +800,22 @@ mod tests {
         assert_eq!(b.budget(), Duration::ZERO);
         assert_eq!(b.limit(), us(1600), "idle waits change no limit");
         assert!((0..64).map(|_| b.next_wait()).any(|d| d == us(1600)));
+    }
+
+    #[test]
+    fn samples_from_before_an_idle_spell_do_not_combine_with_later_ones() {
+        let mut b = SpinBudget::new(us(100), us(1600), 1);
+        assert_eq!(limits_after(&mut b, 16, 70, 1000), vec![200; 2]);
+        // One answer past half the limit, then 100 waits of an idle peer
+        // (no samples, no review).
+        b.record(us(150), false);
+        for _ in 0..100 {
+            b.record(us(10_000), true);
+        }
+        assert_eq!(b.limit(), us(200));
+        // Fresh samples again, none past half the limit: the old one no
+        // longer counts, so the limit stays.
+        assert!(limits_after(&mut b, 64, 70, 1000).iter().all(|l| *l == 200));
     }
 
     #[test]
