@@ -23,9 +23,9 @@ use crate::config::{ADAPTIVE_SPIN_START, MIN_SPIN, WaitStrategy};
 /// sees the other's slow, parked answers (on the multi-thread runtime in
 /// the Soft-RoCE guest, 200-400 us against the then fixed 100 us limit)
 /// and halves its budget to zero, although both spinning answer within the
-/// limit (about 70 us there). A probe of each end in the same round trip finds that
-/// out: with one in 8 per end, one round trip in 64 on average. An idle
-/// or slow connection pays one spin of the limit per 8 waits.
+/// limit (about 70 us there). A probe of each end in the same round trip
+/// finds that out: with one in 8 per end, one round trip in 64 on average.
+/// An idle or slow connection pays one spin of the limit per 8 waits.
 pub(crate) const PROBE_ONE_IN: u64 = 8;
 
 /// The limit is reviewed once per this many waits (16): often enough to
@@ -56,11 +56,11 @@ pub(crate) const STALE_REVIEWS: u32 = 4;
 /// zero parks before that check and does count: it is a plain park).
 /// That is the ski-rental rule behind spin-then-block (Karlin, Manasse,
 /// McGeoch and Owicki, "Competitive randomized algorithms for non-uniform
-/// problems", 1994): spin for as long as parking costs. The limit halves, not below its
-/// start, when that gap is under half the limit. A review needs a new
-/// wait of each kind since the last one, so idle waits change nothing,
-/// and within [`STALE_REVIEWS`] periods, so samples from before an idle
-/// spell do not count.
+/// problems", 1994): spin for as long as parking costs. The limit halves,
+/// not below its start, when that gap is under half the limit. A review
+/// needs a new wait of each kind since the last one, so idle waits change
+/// nothing, and within [`STALE_REVIEWS`] periods, so samples from before
+/// an idle spell do not count.
 ///
 /// The gap also holds how much later the peer answers the waits that
 /// outlast the budget, so it overstates a park's cost where the peer's
@@ -201,13 +201,12 @@ impl SpinBudget {
             }
         }
         self.since_review = self.since_review.saturating_add(1);
-        let due = self.since_review >= LIMIT_REVIEW_WAITS;
-        if due && self.fresh_parked && self.fresh_spun {
+        let reviewed =
+            self.since_review >= LIMIT_REVIEW_WAITS && self.fresh_parked && self.fresh_spun;
+        if reviewed {
             self.review_limit();
         }
-        if (due && self.fresh_parked && self.fresh_spun)
-            || self.since_review >= LIMIT_REVIEW_WAITS * STALE_REVIEWS
-        {
+        if reviewed || self.since_review >= LIMIT_REVIEW_WAITS * STALE_REVIEWS {
             // Reviewed, or no review for four periods: start afresh, so
             // an old sample never combines with one from much later.
             self.since_review = 0;
