@@ -65,6 +65,11 @@ struct Args {
     /// Largest RDMA WRITE sizes (bytes, comma-separated) of the bulk runs.
     #[arg(long, value_delimiter = ',', default_values_t = [65536u32])]
     max_write_sizes: Vec<u32>,
+    /// The bulk reader's buffer, bytes: every `read` asks for at most this
+    /// much (hyper and tokio-util codecs start at 8 KiB). Writes stay
+    /// 64 KiB.
+    #[arg(long, default_value_t = CHUNK)]
+    read_size: usize,
     /// Only the RdmaStream bulk rows, each combination once per round,
     /// for this many rounds (interleaved, for A/B comparisons); no
     /// perftest, TCP or latency runs.
@@ -93,15 +98,16 @@ fn memcpy_mb_per_s() -> f64 {
     (rounds * CHUNK) as f64 / start.elapsed().as_secs_f64() / 1e6
 }
 
-/// Sends `bytes` in `CHUNK` writes while a task reads and counts them;
-/// returns (10^6 bytes/s, CPUs busy: process CPU time over wall time, both ends together).
-async fn bulk<S, R>(mut tx: S, mut rx: R, bytes: u64) -> (f64, f64)
+/// Sends `bytes` in `CHUNK` writes while a task reads them `read_size`
+/// bytes at a time and counts them; returns (10^6 bytes/s, CPUs busy:
+/// process CPU time over wall time, both ends together).
+async fn bulk<S, R>(mut tx: S, mut rx: R, bytes: u64, read_size: usize) -> (f64, f64)
 where
     S: AsyncWrite + Unpin + Send + 'static,
     R: AsyncRead + Unpin + Send + 'static,
 {
     let reader = tokio::spawn(async move {
-        let mut buf = vec![0u8; CHUNK];
+        let mut buf = vec![0u8; read_size.max(1)];
         let mut got = 0u64;
         while got < bytes {
             let n = rx.read(&mut buf).await.expect("bulk read");
@@ -188,7 +194,10 @@ async fn bulk_grid(args: &Args, cfg: &RdmaConfig) -> Vec<BulkRow> {
                     .send_buffer_size(sb)
                     .max_write_size(wr);
                 let (c, s) = rdma_pair(args.addr, &bulk_cfg).await;
-                rows.push(((ring, sb, wr), bulk(c, s, args.bulk_bytes).await));
+                rows.push((
+                    (ring, sb, wr),
+                    bulk(c, s, args.bulk_bytes, args.read_size).await,
+                ));
             }
         }
     }
@@ -239,7 +248,7 @@ async fn main() {
     // --- throughput ---------------------------------------------------
     let rdma_bw = bulk_grid(&args, &cfg).await;
     let (c, s) = tcp_pair(addr).await;
-    let (tcp_bw, tcp_cpus) = bulk(c, s, args.bulk_bytes).await;
+    let (tcp_bw, tcp_cpus) = bulk(c, s, args.bulk_bytes, args.read_size).await;
     let memcpy = memcpy_mb_per_s();
     let common = vec![
         "-d".to_string(),

@@ -45,6 +45,14 @@ pub struct ConnectionStats {
     pub errors: u64,
     /// How the receive ring is opened to the peer.
     pub remote_access: RemoteAccess,
+    /// Payload bytes moved out of the receive ring into process memory
+    /// (the backlog, up to `RdmaConfig::recv_buffer_limit`; mostly by the
+    /// connection's driver) because no read was taking them straight from
+    /// the ring, which returns their ring space to the peer: each of these
+    /// bytes is copied twice (ring, backlog, the reader's buffer). The
+    /// others of `bytes_received` went straight from the ring into a
+    /// reader's buffer, or are still in the ring.
+    pub bytes_buffered: u64,
     /// Registered memory this connection holds, bytes (receive ring plus
     /// send buffer).
     pub registered_bytes: u64,

@@ -209,6 +209,95 @@ async fn write_blocks_instead_of_returning_zero() {
     assert_eq!(server.await.unwrap(), written);
 }
 
+/// A reader that takes a little of what arrived straight from the ring
+/// and then stops reading (h2 does while its own writes are blocked) still
+/// lets the writer finish: the bytes it left in the ring are moved out by
+/// the driver after a tick without reads, which returns their credit, and
+/// the writer's 8 rings' worth goes out while the reader sleeps, even
+/// while the sleeping side writes 4 times as much the other way (whose
+/// CREDITs wake its driver more often than its tick). Then every byte
+/// arrives once, in order, and what the driver moved is counted. Whether
+/// a read took bytes straight from the ring depends on who polls the CQ
+/// first, the reader or the driver: a connection on which the driver did
+/// is tried again, up to 10 times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_a_reader_leaves_in_the_ring_are_moved_out_while_it_sleeps() {
+    const RING: usize = 16 * 1024;
+    const LEN: usize = 8 * RING;
+    const SMALL: usize = 100;
+    let l = bind(&RdmaConfig::new().ring_size(RING as u32)).await;
+    let addr = l.local_addr().unwrap();
+    let data: Vec<u8> = (0..LEN as u64).map(|i| pattern(21, i)).collect();
+    let reply: Vec<u8> = (0..4 * LEN as u64).map(|i| pattern(22, i)).collect();
+    let client_cfg = RdmaConfig::new().send_buffer_size(RING as u32);
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let mut c = RdmaStream::connect_with(addr, &client_cfg).await.unwrap();
+        let (mut s, _) = l.accept().await.unwrap();
+        // One byte first, so the server's driver leaves completion events
+        // to its parked reader.
+        c.write_all(&[7]).await.unwrap();
+        let mut one = [0u8; 1];
+        s.read_exact(&mut one).await.unwrap();
+        assert_eq!(one, [7]);
+        // A parked read of SMALL bytes, then one ring's worth arrives.
+        let buffered_before = s.stats().bytes_buffered;
+        let mut small = [0u8; SMALL];
+        let (n, ()) = tokio::join!(s.read(&mut small), async {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            c.write_all(&data[..RING]).await.unwrap();
+        });
+        let n = n.unwrap();
+        assert!((1..=SMALL).contains(&n), "{n}");
+        let left_in_ring = s.stats().bytes_buffered == buffered_before;
+        let mut got = small[..n].to_vec();
+        // The server's reader sleeps: the rest goes out only if the bytes
+        // it left are moved out without a read (a liveness bound, not a
+        // speed check).
+        let mut reply_got = vec![0u8; reply.len()];
+        {
+            let (mut crd, mut cwr) = c.split();
+            let (_srd, mut swr) = s.split();
+            let (w, (r, sw)) = tokio::time::timeout(Duration::from_secs(120), async {
+                tokio::join!(cwr.write_all(&data[RING..]), async {
+                    tokio::join!(crd.read_exact(&mut reply_got), swr.write_all(&reply))
+                })
+            })
+            .await
+            .expect("the writer finished while the reader slept");
+            w.unwrap();
+            r.unwrap();
+            sw.unwrap();
+        }
+        assert!(reply_got == reply, "reply bytes differ");
+        let moved_while_asleep = s.stats().bytes_buffered - buffered_before;
+        c.shutdown().await.unwrap();
+        s.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got.len(), LEN);
+        assert!(got == data, "delivered bytes differ");
+        let stats = s.stats();
+        assert_eq!(stats.bytes_received, LEN as u64 + 1);
+        if left_in_ring {
+            // When the write finished, at most one ring's worth was in
+            // the client's send buffer and one in the server's ring, and
+            // the reader had taken SMALL bytes at most: the driver moved
+            // out the rest.
+            let at_least = (LEN - 2 * RING - SMALL) as u64;
+            assert!(
+                (at_least..=LEN as u64).contains(&moved_while_asleep),
+                "{moved_while_asleep} moved while asleep, {stats:?}"
+            );
+            println!("bytes left in the ring by a read on attempt {attempts}");
+            break;
+        }
+        assert!(
+            attempts < 10,
+            "no read took bytes straight from the ring in 10 connections"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drop_right_after_write_all_delivers_everything() {
     let l = bind(&RdmaConfig::default()).await;

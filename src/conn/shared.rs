@@ -140,14 +140,20 @@ pub(crate) trait Driven: Send + 'static {
         false
     }
 
-    /// Send completions are due that a CQ armed for solicited events only
-    /// does not announce, and they free something (a stream's send-buffer
-    /// bytes): the driver looks again after [`DELEGATION_TICK`] (an idle
-    /// connection gives back its send buffer then). An application task
-    /// that posts calls [`Shared::tick_for_unannounced`].
-    fn completions_unannounced(&self) -> bool {
+    /// Work is due that no completion event will announce, so the driver
+    /// looks again after [`DELEGATION_TICK`]: send completions a CQ armed
+    /// for solicited events only does not announce, which free something
+    /// (an idle stream gives back its send buffer then), or arrived bytes
+    /// a reader left in a stream's ring (moved out after a tick without
+    /// reads, see [`Driven::on_tick`]). An application task that posts or
+    /// leaves such bytes calls [`Shared::ensure_tick`].
+    fn needs_tick(&self) -> bool {
         false
     }
+
+    /// The driver's tick fired (it was waiting with its tick, see
+    /// [`Driven::needs_tick`]); called before the tick's progress.
+    fn on_tick(&mut self) {}
 
     /// The pool whose returned memory progress is waiting for, if any.
     fn waiting_for_memory(&self) -> Option<MemoryPool> {
@@ -192,8 +198,9 @@ pub(crate) struct Shared<D> {
     lock_waits: AtomicU64,
     /// Times the driver woke up.
     driver_wakeups: AtomicU64,
-    /// The driver waits with its tick (leaving events to a reader, or
-    /// send completions due that no event announces).
+    /// The driver waits with its tick (leaving events to a reader, send
+    /// completions due that no event announces, or bytes a reader left in
+    /// a stream's ring; see [`Driven::needs_tick`]).
     driver_ticking: AtomicBool,
     /// Set (`true`) once the driver has disconnected.
     closed: watch::Sender<bool>,
@@ -280,12 +287,12 @@ impl<D: Driven> Shared<D> {
         st
     }
 
-    /// After an application task posted: if `st` now has send completions
-    /// due that no event announces (see [`Driven::completions_unannounced`])
-    /// and the driver waits without its tick, wake it so it starts
-    /// ticking (once: the flag is set here until the driver's next wait).
-    pub(crate) fn tick_for_unannounced(&self, st: &D) {
-        if st.completions_unannounced() && !self.driver_ticking.swap(true, Ordering::AcqRel) {
+    /// After an application task posted or read: if `st` now has work due
+    /// that no event announces (see [`Driven::needs_tick`]) and the driver
+    /// waits without its tick, wake it so it starts ticking (once: the
+    /// flag is set here until the driver's next wait).
+    pub(crate) fn ensure_tick(&self, st: &D) {
+        if st.needs_tick() && !self.driver_ticking.swap(true, Ordering::AcqRel) {
             self.notify.notify_one();
         }
     }
@@ -377,13 +384,21 @@ async fn drive<D: Driven>(
     // Set once the connection failed with an ABORT still on its way.
     let mut abort_deadline: Option<tokio::time::Instant> = None;
     let mut woken = false;
+    let mut ticked = false;
+    // When the tick fires: one deadline kept across wake-ups, so wake-ups
+    // less than a tick apart (the peer's CREDITs while this side writes)
+    // do not put it off for ever.
+    let mut tick_at: Option<tokio::time::Instant> = None;
     loop {
         if woken {
             shared.driver_wakeups.fetch_add(1, Ordering::Relaxed);
         }
         woken = true;
-        let (done, memory, unannounced) = {
+        let (done, memory, ticking) = {
             let mut st = shared.lock();
+            if std::mem::take(&mut ticked) {
+                st.on_tick();
+            }
             st.progress_and_arm();
             let orphaned = shared.handles() == 0;
             if orphaned && linger_deadline.is_none() {
@@ -400,25 +415,36 @@ async fn drive<D: Driven>(
                 }
                 None => false,
             };
+            // With no handle left no reader will come: take every event
+            // (this runs before every wait, so an event that turned
+            // leaving on after the last handle dropped is undone before
+            // the driver waits).
+            if let Some(d) = &delegation
+                && shared.handles() == 0
+            {
+                d.set_filtering(false);
+            }
+            let ticking = st.needs_tick() || delegation.as_ref().is_some_and(|d| d.filtering());
+            // Stored under the lock: a task that makes a tick needed
+            // after this (`Shared::ensure_tick`, under the lock too) sees
+            // `false` and wakes the driver, whose permit the wait below
+            // then takes.
+            shared.driver_ticking.store(ticking, Ordering::Release);
             (
                 (orphaned && st.finished()) || failed,
                 st.waiting_for_memory(),
-                st.completions_unannounced(),
+                ticking,
             )
         };
         if done {
             break;
         }
-        // With no handle left no reader will come: take every event (this
-        // runs before every wait, so an event that turned leaving on after
-        // the last handle dropped is undone before the driver waits).
-        if let Some(d) = &delegation
-            && shared.handles() == 0
-        {
-            d.set_filtering(false);
-        }
-        let ticking = unannounced || delegation.as_ref().is_some_and(|d| d.filtering());
-        shared.driver_ticking.store(ticking, Ordering::Release);
+        let tick_deadline = if ticking {
+            Some(*tick_at.get_or_insert_with(|| tokio::time::Instant::now() + DELEGATION_TICK))
+        } else {
+            tick_at = None;
+            None
+        };
         tokio::select! {
             // Completions: progress at the top of the loop. (An event that
             // came while a reader was parked on the CQ turned filtering on
@@ -450,18 +476,20 @@ async fn drive<D: Driven>(
                 Err(source) => shared.lock().fail(Error::Verbs { op: "rdma_get_cm_event", source }),
             },
             _ = shared.notify.notified() => {}
-            // Leaving events to a parked reader, or send completions due
-            // that no event announces: look at the connection every tick
-            // (progress at the top of the loop). Take every event again
-            // after a tick that left none (idle: no more ticks) or whose
-            // left events no reader took (a read dropped while parked).
+            // Leaving events to a parked reader, send completions due
+            // that no event announces, or bytes a reader left in the ring:
+            // look at the connection every tick (progress at the top of
+            // the loop). Take every event again after a tick that left
+            // none (idle: no more ticks) or whose left events no reader
+            // took (a read dropped while parked).
             _ = async {
-                if ticking {
-                    tokio::time::sleep(DELEGATION_TICK).await;
-                } else {
-                    std::future::pending::<()>().await;
+                match tick_deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending::<()>().await,
                 }
             } => {
+                ticked = true;
+                tick_at = None;
                 if let Some(d) = &delegation {
                     d.on_tick();
                 }

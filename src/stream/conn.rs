@@ -6,9 +6,11 @@
 //!
 //! Receive progress never waits for `poll_read`: whoever holds the lock (the
 //! driver on every completion event, or an application call) drains the
-//! CQ, reposts receive WRs, moves arrived bytes out of the ring (up to
-//! `recv_buffer_limit`), returns credit and posts what the application wrote
-//! while credit was short. The application side copies into the registered
+//! CQ, reposts receive WRs, returns credit and posts what the application
+//! wrote while credit was short, and the driver moves arrived bytes out of
+//! the ring (up to `recv_buffer_limit`) unless a reader is at work on them:
+//! bytes a read left in the ring wait for the next read until a driver
+//! tick without such reads (see `StreamState::driver_drains`). The application side copies into the registered
 //! send buffer and posts directly from `poll_write` (no task hop on the fast
 //! path).
 
@@ -52,6 +54,16 @@ pub(crate) struct StreamState {
     /// Arrived ring segments (offset, len) not yet moved or read, in order.
     ring_pending: VecDeque<(u32, u32)>,
     recv_buffer_limit: usize,
+    /// The driver may move arrived bytes out of the ring into the backlog.
+    /// A read that copied straight from the ring and left bytes there
+    /// clears it: the reader is at work and copies them once, where the
+    /// driver's move would make two copies and an allocation. A driver
+    /// tick with no such read since the tick before sets it again (see
+    /// [`Driven::on_tick`]), so bytes a reader left behind are moved out,
+    /// and their credit returned, within two ticks of its last read.
+    driver_drains: bool,
+    /// A read left bytes in the ring since the driver's last tick.
+    left_in_ring: bool,
     /// Tasks waiting in `poll_read`.
     readers: WakerList,
     /// Tasks waiting in `poll_write`/`poll_flush`.
@@ -138,6 +150,7 @@ impl StreamState {
                     }
                 };
             self.core.consume(len as usize);
+            self.stats.bytes_buffered += u64::from(len);
             self.backlog_len += len as usize;
             self.backlog.push_back(Bytes::from(buf));
         }
@@ -234,7 +247,8 @@ impl StreamState {
     /// Progress for a task about to read: arrived bytes stay in the ring
     /// for it to copy straight into its buffer (the driver drains what the
     /// reader leaves when its own round comes: on an event the reader did
-    /// not take, or its tick, see `Delegation`).
+    /// not take, or its tick, see `Delegation` and
+    /// `StreamState::driver_drains`).
     fn progress_reading(&mut self) {
         let mut scratch = std::mem::take(&mut self.scratch);
         self.progress_with(&mut scratch, false);
@@ -242,7 +256,8 @@ impl StreamState {
     }
 
     /// Polls the CQ and does the follow-up work; `drain` moves arrived
-    /// ring bytes into the backlog (the driver's receive progress). A task
+    /// ring bytes into the backlog (the driver's receive progress; not
+    /// while a reader is at work on them, see `driver_drains`). A task
     /// about to read passes `false`: it copies them out of the ring into
     /// its own buffer itself, one copy instead of two.
     fn progress_with(&mut self, scratch: &mut Vec<Completion>, drain: bool) {
@@ -260,7 +275,7 @@ impl StreamState {
                 self.fail(e);
             }
         }
-        if drain {
+        if drain && self.driver_drains {
             self.drain_ring();
         }
         if self.error.is_none() {
@@ -299,8 +314,11 @@ impl Driven for StreamState {
         self.wake_all();
     }
 
-    /// Close like TCP: FIN after the buffered data.
+    /// Close like TCP: FIN after the buffered data. No reader will come,
+    /// so the driver moves arrived bytes out of the ring again (their
+    /// credit lets the peer finish).
     fn on_last_handle(&mut self) {
+        self.driver_drains = true;
         if self.error.is_none() && !self.peer_gone {
             self.core.shutdown();
             self.transmit();
@@ -332,12 +350,27 @@ impl Driven for StreamState {
             && !self.qp.probe_outstanding()
     }
 
-    /// Send-buffer bytes in flight: their completion gives the buffer back
-    /// once the stream is idle. (A CREDIT's completion frees only a
-    /// send-queue slot, polled with the next progress; a writer that needs
-    /// one arms for every completion.)
-    fn completions_unannounced(&self) -> bool {
-        self.core.send_buf_in_use() > 0 && self.solicited_events_suffice()
+    /// Send-buffer bytes in flight that no event announces: their
+    /// completion gives the buffer back once the stream is idle. (A
+    /// CREDIT's completion frees only a send-queue slot, polled with the
+    /// next progress; a writer that needs one arms for every completion.)
+    /// Or arrived bytes a reader left in the ring that the backlog has
+    /// room for: if no read takes them, the driver moves them out at a
+    /// tick, which returns their credit without waiting for `poll_read`.
+    fn needs_tick(&self) -> bool {
+        (self.core.send_buf_in_use() > 0 && self.solicited_events_suffice())
+            || (!self.driver_drains
+                && !self.ring_pending.is_empty()
+                && self.backlog_len < self.recv_buffer_limit
+                && self.alive())
+    }
+
+    /// A tick without a read that left bytes in the ring since the tick
+    /// before: the driver moves arrived bytes out again.
+    fn on_tick(&mut self) {
+        if !std::mem::take(&mut self.left_in_ring) {
+            self.driver_drains = true;
+        }
     }
 
     fn on_disconnected(&mut self) {
@@ -449,11 +482,21 @@ impl Conn {
             copied += n;
         }
         if copied > 0 {
-            // Space freed: move more ring data and return credit.
-            st.drain_ring();
+            if st.backlog.is_empty() && !st.ring_pending.is_empty() {
+                // Read straight from the ring, and more is there: leave
+                // it to the next read (one copy), unless no read comes
+                // before the driver's tick after next.
+                st.driver_drains = false;
+                st.left_in_ring = true;
+            } else {
+                // Backlog space freed: move more ring data out.
+                st.drain_ring();
+            }
+            // Return the credit of what was consumed.
             if st.error.is_none() {
                 st.transmit();
             }
+            self.ensure_tick(&st);
             return Poll::Ready(Ok(()));
         }
         if st.core.readable_eof() {
@@ -538,7 +581,7 @@ impl Conn {
             }
         }
         st.transmit();
-        self.tick_for_unannounced(&st);
+        self.ensure_tick(&st);
         Poll::Ready(Ok(n))
     }
 
@@ -668,6 +711,8 @@ pub(crate) fn start(
         backlog_len: 0,
         ring_pending: VecDeque::new(),
         recv_buffer_limit: cfg.recv_buffer_limit,
+        driver_drains: true,
+        left_in_ring: false,
         readers: WakerList::default(),
         writers: WakerList::default(),
         error: None,
