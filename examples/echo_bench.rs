@@ -8,8 +8,15 @@
 //! ```text
 //! echo_bench server rdma://10.11.0.1:7700 [--runtime multi] [--wait spin:200]
 //! echo_bench client rdma://10.11.0.1:7700 --size 64 --in-flight 1 --requests 20000
+//! echo_bench server rdma://10.11.0.1:7701 --sink       # one way, as ib_write_bw
+//! echo_bench client rdma://10.11.0.1:7701 --one-way --size 65536 --requests 5000
 //! echo_bench suite --ip 10.11.0.1 --device rxe0        # integration/bench-echo
 //! ```
+//!
+//! `--one-way` (with a `--sink` server) is bulk the way `ib_write_bw`
+//! runs it: the client writes, the server reads and drops, and the suite
+//! prints MB/s and the CPU time of both processes per 10^6 bytes beside
+//! `ib_write_bw -s 65536`, for the default ring and a 256 KiB one.
 //!
 //! Addresses go through the transport switch, so `tcp://` runs the same
 //! workload over the kernel's TCP. `--message` (server and client) runs it
@@ -181,6 +188,10 @@ enum Cmd {
         /// Serve MessageEndpoints (echo each message) instead of streams.
         #[arg(long)]
         message: bool,
+        /// Read and discard what arrives instead of echoing it (streams;
+        /// for the client's `--one-way`).
+        #[arg(long, conflicts_with = "message")]
+        sink: bool,
         /// Print each closed RDMA stream's `ConnectionStats` to stderr.
         #[arg(long)]
         stats: bool,
@@ -214,6 +225,14 @@ enum Cmd {
         /// Requests are messages on a MessageEndpoint (server `--message`).
         #[arg(long)]
         message: bool,
+        /// One-way bulk (server `--sink`): `warmup + requests` writes of
+        /// `size` bytes and no responses. The timed span runs from the
+        /// first measured write until the server closed after the last
+        /// byte (so every byte was delivered); the histogram holds each
+        /// measured write's time (how long the writer waited for room).
+        /// `--in-flight` does not apply.
+        #[arg(long, conflicts_with = "message")]
+        one_way: bool,
         /// Print the RDMA stream's `ConnectionStats` to stderr after the
         /// measured requests.
         #[arg(long)]
@@ -302,7 +321,13 @@ fn config(wait: Wait, ring_size: u32, share_cq: bool) -> RdmaConfig {
         .share_completion_queue(share_cq)
 }
 
-async fn serve(addr: TransportAddr, cfg: RdmaConfig, stats: bool) -> std::io::Result<()> {
+/// Echoes (or with `sink` reads and drops) every stream until EOF.
+async fn serve(
+    addr: TransportAddr,
+    cfg: RdmaConfig,
+    stats: bool,
+    sink: bool,
+) -> std::io::Result<()> {
     let listener = Listener::bind_with(&addr, &cfg).await?;
     println!("listening {}", listener.local_addr()?.port());
     loop {
@@ -315,7 +340,7 @@ async fn serve(addr: TransportAddr, cfg: RdmaConfig, stats: bool) -> std::io::Re
                 match s.read(&mut buf).await {
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
-                        if s.write_all(&buf[..n]).await.is_err() {
+                        if !sink && s.write_all(&buf[..n]).await.is_err() {
                             break;
                         }
                         total += n as u64;
@@ -434,6 +459,50 @@ async fn closed_loop_messages(
     Ok(run)
 }
 
+/// One-way bulk to a `--sink` server: `warmup + requests` writes of
+/// `size` bytes; times the last `requests` writes until the server's
+/// close (see `--one-way`).
+async fn one_way(
+    addr: TransportAddr,
+    cfg: RdmaConfig,
+    size: usize,
+    requests: u64,
+    warmup: u64,
+    stats: bool,
+) -> std::io::Result<Run> {
+    let mut s = Stream::connect_with(&addr, &cfg).await?;
+    s.set_nodelay(true)?;
+    let mut hist = Histogram::<u64>::new(3).expect("histogram");
+    let buf = vec![0x5au8; size];
+    let (mut start, mut cpu0) = (Instant::now(), cpu_us());
+    for i in 0..warmup + requests {
+        if i == warmup {
+            (start, cpu0) = (Instant::now(), cpu_us());
+        }
+        let t = Instant::now();
+        s.write_all(&buf).await?;
+        if i >= warmup {
+            hist.record(t.elapsed().as_nanos() as u64).expect("record");
+        }
+    }
+    if let (true, Stream::Rdma(r)) = (stats, &s) {
+        eprintln!(
+            "client stream after {} writes: {:?}",
+            warmup + requests,
+            r.stats()
+        );
+    }
+    s.shutdown().await?;
+    // The sink closes once it has read everything: EOF means delivered.
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).await?;
+    Ok(Run {
+        hist,
+        secs: start.elapsed().as_secs_f64(),
+        cpu_us: cpu_us() - cpu0,
+    })
+}
+
 /// K requests of `size` bytes in flight until `warmup + requests` came
 /// back; the last `requests` are timed. `stats`: print the RDMA stream's
 /// counters to stderr afterwards.
@@ -527,6 +596,7 @@ fn main() -> std::process::ExitCode {
             ring_size,
             share_cq,
             message,
+            sink,
             stats,
         } => {
             let rt = runtime(flavor);
@@ -534,7 +604,7 @@ fn main() -> std::process::ExitCode {
             let served = if message {
                 rt.block_on(serve_messages(addr, cfg))
             } else {
-                rt.block_on(serve(addr, cfg, stats))
+                rt.block_on(serve(addr, cfg, stats, sink))
             };
             if let Err(e) = served {
                 eprintln!("echo_bench server: {e}");
@@ -552,6 +622,7 @@ fn main() -> std::process::ExitCode {
             ring_size,
             share_cq,
             message,
+            one_way: one_way_bulk,
             stats,
         } => {
             let cfg = config(wait, ring_size, share_cq);
@@ -560,6 +631,8 @@ fn main() -> std::process::ExitCode {
                 rt.block_on(closed_loop_messages(
                     addr, cfg, size, in_flight, requests, warmup,
                 ))
+            } else if one_way_bulk {
+                rt.block_on(one_way(addr, cfg, size, requests, warmup, stats))
             } else {
                 rt.block_on(closed_loop(
                     addr, cfg, size, in_flight, requests, warmup, stats,
@@ -618,6 +691,8 @@ struct Case {
     ring: u32,
     /// Over a MessageEndpoint (`--message`, rdma:// only) instead of a stream.
     message: bool,
+    /// One-way bulk (`--one-way` client, `--sink` server) instead of an echo.
+    one_way: bool,
 }
 
 /// A finished case: the client's `result` fields and the server's CPU.
@@ -748,9 +823,15 @@ fn remote_port(c: &Case) -> u16 {
     }
 }
 
-/// `--message` for message cases, nothing for streams.
-fn kind_args(c: &Case) -> &'static [&'static str] {
-    if c.message { &["--message"] } else { &[] }
+/// `--message` for message cases, `--sink` (server) or `--one-way`
+/// (client) for one-way cases, nothing for echoed streams.
+fn kind_args(c: &Case, server: bool) -> &'static [&'static str] {
+    match (c.message, c.one_way, server) {
+        (true, _, _) => &["--message"],
+        (false, true, true) => &["--sink"],
+        (false, true, false) => &["--one-way"],
+        (false, false, _) => &[],
+    }
 }
 
 /// Measured requests of an echo case of `size` bytes: a quarter of the
@@ -797,7 +878,7 @@ async fn run_client(
             "--ring-size",
             &c.ring.to_string(),
         ])
-        .args(kind_args(c))
+        .args(kind_args(c, false))
         .output()
         .await
         .ok()?;
@@ -872,7 +953,7 @@ async fn run_case(
             "--ring-size",
             &c.ring.to_string(),
         ])
-        .args(kind_args(c))
+        .args(kind_args(c, true))
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -947,6 +1028,7 @@ async fn suite(
         wait,
         ring: 65536,
         message: false,
+        one_way: false,
     };
     use Flavor::{Current, Multi};
     let latency = [
@@ -1183,6 +1265,69 @@ async fn suite(
                 );
             }
             None => println!("  {:<48} failed", c.name),
+        }
+    }
+
+    if server_ip.is_none() {
+        // One way, as ib_write_bw runs: the client writes, the server
+        // reads and drops (two processes; the peer host's servers echo, so
+        // only here).
+        let one_way = |name, runtime, ring| Case {
+            one_way: true,
+            ring,
+            ..case(name, "rdma", 65536, 1, runtime, "adaptive")
+        };
+        let rows = [
+            one_way("RdmaStream one way, current_thread", Current, 65536),
+            one_way("RdmaStream one way, multi-thread (2)", Multi, 65536),
+            one_way(
+                "RdmaStream one way, current_thread, ring 256 KiB",
+                Current,
+                256 * 1024,
+            ),
+            Case {
+                scheme: "tcp",
+                ..one_way("TCP one way, current_thread", Current, 65536)
+            },
+        ];
+        let mut bw = common.clone();
+        bw.extend(["-s".into(), "65536".into(), "-D".into(), "4".into()]);
+        let ib_bw = perf("ib_write_bw", bw, 18522)
+            .await
+            .and_then(|o| perftest::row(&o))
+            .and_then(|v| v.get(3).copied())
+            .map(|m| m * 1.048576);
+        println!();
+        println!(
+            "one way, 64 KiB writes (two processes)                MB/s  CPU us/MB  write p50 us  write p99 us  vs ib_write_bw"
+        );
+        match ib_bw {
+            Some(b) => println!(
+                "  {:<48} {b:>9.2}          -             -             -  1.00",
+                "ib_write_bw -s 65536 (raw verbs)"
+            ),
+            None => println!("  ib_write_bw -s 65536   n/a (perftest failed)"),
+        }
+        for c in &rows {
+            match run(c.clone(), bulk_requests(requests, c.size)).await {
+                Some(o) => {
+                    let mbs = o.rps * c.size as f64 / 1e6;
+                    println!(
+                        "  {:<48} {mbs:>9.2} {:>10.1} {:>13.1} {:>13.1}  {}",
+                        c.name,
+                        // Both processes' CPU per write, per 10^6 bytes.
+                        o.cpu_per_rt_us * 1e6 / c.size as f64,
+                        o.p50,
+                        o.p99,
+                        if c.scheme == "tcp" {
+                            "-".into()
+                        } else {
+                            ratio(mbs, ib_bw)
+                        }
+                    );
+                }
+                None => println!("  {:<48} failed", c.name),
+            }
         }
     }
 

@@ -151,6 +151,17 @@ pub(crate) trait Driven: Send + 'static {
         false
     }
 
+    /// Whether the tick is due on schedule however often other wake-ups
+    /// come (a deadline kept across them), because the peer may be waiting
+    /// for what it does: a stream's bytes a reader left in the ring. Other
+    /// ticks start again at every wake-up, which already looked at the
+    /// connection (on the multi-thread runtime ticks on schedule in a
+    /// 64 B ping-pong measured slower: benches/README.md, "Small reads
+    /// copy once").
+    fn tick_on_schedule(&self) -> bool {
+        false
+    }
+
     /// The driver's tick fired (it was waiting with its tick, see
     /// [`Driven::needs_tick`]); called before the tick's progress.
     fn on_tick(&mut self) {}
@@ -385,16 +396,17 @@ async fn drive<D: Driven>(
     let mut abort_deadline: Option<tokio::time::Instant> = None;
     let mut woken = false;
     let mut ticked = false;
-    // When the tick fires: one deadline kept across wake-ups, so wake-ups
-    // less than a tick apart (the peer's CREDITs while this side writes)
-    // do not put it off for ever.
+    // When a tick on schedule fires (`Driven::tick_on_schedule`): one
+    // deadline kept across wake-ups, so wake-ups less than a tick apart
+    // (the peer's CREDITs while this side writes) do not put it off for
+    // ever.
     let mut tick_at: Option<tokio::time::Instant> = None;
     loop {
         if woken {
             shared.driver_wakeups.fetch_add(1, Ordering::Relaxed);
         }
         woken = true;
-        let (done, memory, ticking) = {
+        let (done, memory, ticking, on_schedule) = {
             let mut st = shared.lock();
             if std::mem::take(&mut ticked) {
                 st.on_tick();
@@ -434,16 +446,23 @@ async fn drive<D: Driven>(
                 (orphaned && st.finished()) || failed,
                 st.waiting_for_memory(),
                 ticking,
+                st.tick_on_schedule(),
             )
         };
         if done {
             break;
         }
-        let tick_deadline = if ticking {
-            Some(*tick_at.get_or_insert_with(|| tokio::time::Instant::now() + DELEGATION_TICK))
-        } else {
-            tick_at = None;
-            None
+        let next_tick = || tokio::time::Instant::now() + DELEGATION_TICK;
+        let tick_deadline = match (ticking, on_schedule) {
+            (true, true) => Some(*tick_at.get_or_insert_with(next_tick)),
+            (true, false) => {
+                tick_at = None;
+                Some(next_tick())
+            }
+            (false, _) => {
+                tick_at = None;
+                None
+            }
         };
         tokio::select! {
             // Completions: progress at the top of the loop. (An event that

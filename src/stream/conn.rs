@@ -359,10 +359,16 @@ impl Driven for StreamState {
     /// tick, which returns their credit without waiting for `poll_read`.
     fn needs_tick(&self) -> bool {
         (self.core.send_buf_in_use() > 0 && self.solicited_events_suffice())
-            || (!self.driver_drains
-                && !self.ring_pending.is_empty()
-                && self.backlog_len < self.recv_buffer_limit
-                && self.alive())
+            || self.tick_on_schedule()
+    }
+
+    /// Bytes a reader left in the ring wait for the driver's tick (the
+    /// peer's writer may wait for their credit).
+    fn tick_on_schedule(&self) -> bool {
+        !self.driver_drains
+            && !self.ring_pending.is_empty()
+            && self.backlog_len < self.recv_buffer_limit
+            && self.alive()
     }
 
     /// A tick without a read that left bytes in the ring since the tick
@@ -496,7 +502,9 @@ impl Conn {
             if st.error.is_none() {
                 st.transmit();
             }
-            self.ensure_tick(&st);
+            if st.left_in_ring {
+                self.ensure_tick(&st);
+            }
             return Poll::Ready(Ok(()));
         }
         if st.core.readable_eof() {
