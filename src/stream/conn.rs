@@ -10,9 +10,9 @@
 //! wrote while credit was short, and the driver moves arrived bytes out of
 //! the ring (up to `recv_buffer_limit`) unless a reader is at work on them:
 //! bytes a read left in the ring wait for the next read until a driver
-//! tick without such reads (see `StreamState::driver_drains`). The application side copies into the registered
-//! send buffer and posts directly from `poll_write` (no task hop on the fast
-//! path).
+//! tick without such reads (see `StreamState::driver_drains`). The
+//! application side copies into the registered send buffer and posts
+//! directly from `poll_write` (no task hop on the fast path).
 
 use std::collections::VecDeque;
 use std::io;
