@@ -459,58 +459,18 @@ async fn closed_loop_messages(
     Ok(run)
 }
 
-/// One-way bulk to a `--sink` server: `warmup + requests` writes of
-/// `size` bytes; times the last `requests` writes until the server's
-/// close (see `--one-way`).
-async fn one_way(
-    addr: TransportAddr,
-    cfg: RdmaConfig,
-    size: usize,
-    requests: u64,
-    warmup: u64,
-    stats: bool,
-) -> std::io::Result<Run> {
-    let mut s = Stream::connect_with(&addr, &cfg).await?;
-    s.set_nodelay(true)?;
-    let mut hist = Histogram::<u64>::new(3).expect("histogram");
-    let buf = vec![0x5au8; size];
-    let (mut start, mut cpu0) = (Instant::now(), cpu_us());
-    for i in 0..warmup + requests {
-        if i == warmup {
-            (start, cpu0) = (Instant::now(), cpu_us());
-        }
-        let t = Instant::now();
-        s.write_all(&buf).await?;
-        if i >= warmup {
-            hist.record(t.elapsed().as_nanos() as u64).expect("record");
-        }
-    }
-    if let (true, Stream::Rdma(r)) = (stats, &s) {
-        eprintln!(
-            "client stream after {} writes: {:?}",
-            warmup + requests,
-            r.stats()
-        );
-    }
-    s.shutdown().await?;
-    // The sink closes once it has read everything: EOF means delivered.
-    let mut rest = Vec::new();
-    s.read_to_end(&mut rest).await?;
-    Ok(Run {
-        hist,
-        secs: start.elapsed().as_secs_f64(),
-        cpu_us: cpu_us() - cpu0,
-    })
-}
-
 /// K requests of `size` bytes in flight until `warmup + requests` came
-/// back; the last `requests` are timed. `stats`: print the RDMA stream's
-/// counters to stderr afterwards.
+/// back; the last `requests` are timed. `one_way`: the server is a
+/// `--sink`, nothing comes back, and the timed span ends when it closed
+/// after the last byte (see `--one-way`). `stats`: print the RDMA
+/// stream's counters to stderr afterwards.
+#[allow(clippy::too_many_arguments)]
 async fn closed_loop(
     addr: TransportAddr,
     cfg: RdmaConfig,
     size: usize,
     in_flight: usize,
+    one_way: bool,
     requests: u64,
     warmup: u64,
     stats: bool,
@@ -522,7 +482,21 @@ async fn closed_loop(
     let req = vec![0x5au8; size];
     let mut resp = vec![0u8; size];
     let (mut start, mut cpu0) = (Instant::now(), cpu_us());
-    if in_flight <= 1 {
+    if one_way {
+        for i in 0..total {
+            if i == warmup {
+                (start, cpu0) = (Instant::now(), cpu_us());
+            }
+            let t = Instant::now();
+            s.write_all(&req).await?;
+            if i >= warmup {
+                hist.record(t.elapsed().as_nanos() as u64).expect("record");
+            }
+        }
+        // The sink closes once it has read everything: EOF means delivered.
+        s.shutdown().await?;
+        s.read_to_end(&mut Vec::new()).await?;
+    } else if in_flight <= 1 {
         for i in 0..total {
             if i == warmup {
                 (start, cpu0) = (Instant::now(), cpu_us());
@@ -579,11 +553,12 @@ async fn closed_loop(
         cpu_us: cpu_us() - cpu0,
     };
     if let (true, Stream::Rdma(r)) = (stats, &s) {
-        eprintln!("client stream after {total} round trips: {:?}", r.stats());
+        eprintln!("client stream after {total} requests: {:?}", r.stats());
     }
-    s.shutdown().await?;
-    let mut rest = Vec::new();
-    s.read_to_end(&mut rest).await?;
+    if !one_way {
+        s.shutdown().await?;
+        s.read_to_end(&mut Vec::new()).await?;
+    }
     Ok(run)
 }
 
@@ -622,7 +597,7 @@ fn main() -> std::process::ExitCode {
             ring_size,
             share_cq,
             message,
-            one_way: one_way_bulk,
+            one_way,
             stats,
         } => {
             let cfg = config(wait, ring_size, share_cq);
@@ -631,11 +606,9 @@ fn main() -> std::process::ExitCode {
                 rt.block_on(closed_loop_messages(
                     addr, cfg, size, in_flight, requests, warmup,
                 ))
-            } else if one_way_bulk {
-                rt.block_on(one_way(addr, cfg, size, requests, warmup, stats))
             } else {
                 rt.block_on(closed_loop(
-                    addr, cfg, size, in_flight, requests, warmup, stats,
+                    addr, cfg, size, in_flight, one_way, requests, warmup, stats,
                 ))
             };
             match run {
