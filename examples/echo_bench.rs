@@ -1203,7 +1203,6 @@ async fn suite(
             bw.extend(["-t".into(), "8".into()]);
         }
         let ib_bw = if c.scheme != "tcp" {
-            // perftest's "MB/sec" is MiB/s; ours is 10^6 bytes/s.
             let port = match c.size {
                 8192 => 18521,
                 65536 => 18522,
@@ -1211,9 +1210,7 @@ async fn suite(
             };
             perf("ib_write_bw", bw, port)
                 .await
-                .and_then(|o| perftest::row(&o))
-                .and_then(|v| v.get(3).copied())
-                .map(|m| m * 1.048576)
+                .and_then(|o| perftest::bw_mb_per_s(&o))
         } else {
             None
         };
@@ -1267,9 +1264,7 @@ async fn suite(
         bw.extend(["-s".into(), "65536".into(), "-D".into(), "4".into()]);
         let ib_bw = perf("ib_write_bw", bw, 18522)
             .await
-            .and_then(|o| perftest::row(&o))
-            .and_then(|v| v.get(3).copied())
-            .map(|m| m * 1.048576);
+            .and_then(|o| perftest::bw_mb_per_s(&o));
         println!();
         println!(
             "one way, 64 KiB writes (two processes)                MB/s  CPU us/MB  write p50 us  write p99 us  vs ib_write_bw"
@@ -1344,6 +1339,19 @@ mod tests {
                 ("write".to_string(), 100.0),
                 ("other".to_string(), 300.0),
             ]
+        );
+    }
+
+    /// perftest's bandwidth column is MiB/s; the reference is in 10^6
+    /// bytes/s. No result row: no figure.
+    #[test]
+    fn ib_write_bw_output_gives_mb_per_s() {
+        let out = "---\n #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n \
+            65536      1968             0.00               40.98  \t\t   0.000656\n---\n";
+        assert_eq!(perftest::bw_mb_per_s(out), Some(40.98 * 1.048576));
+        assert_eq!(
+            perftest::bw_mb_per_s("Couldn't connect to 10.11.0.1\n"),
+            None
         );
     }
 

@@ -261,11 +261,7 @@ async fn main() {
     bw_args.extend(["-s".into(), "65536".into(), "-D".into(), "5".into()]);
     let ib_bw = perftest::run("ib_write_bw", &bw_args, addr, 18515)
         .await
-        .and_then(|o| perftest::row(&o))
-        .and_then(|v| v.get(3).copied())
-        // perftest's "MB/sec" is MiB/s (its --help: "instead of MiB/sec");
-        // ours is 10^6 bytes/s.
-        .map(|mib_per_s| mib_per_s * 1.048576);
+        .and_then(|o| perftest::bw_mb_per_s(&o));
 
     // --- latency -------------------------------------------------------
     let busy = RdmaConfig::default().busy_poll(Duration::from_micros(args.busy_poll_us));

@@ -81,6 +81,13 @@ pub fn row(out: &str) -> Option<Vec<f64>> {
     (!v.is_empty()).then_some(v)
 }
 
+/// The bandwidth of an `ib_write_bw`/`ib_send_bw` result (the client's
+/// stdout) in 10^6 bytes/s: its "MB/sec" column (the 4th) is MiB/s (its
+/// `--help`: "instead of MiB/sec"), converted.
+pub fn bw_mb_per_s(out: &str) -> Option<f64> {
+    row(out)?.get(3).map(|mib_per_s| mib_per_s * 1.048576)
+}
+
 /// `a / b` to two places, or `n/a` without a reference.
 pub fn ratio(a: f64, b: Option<f64>) -> String {
     match b {
