@@ -1255,6 +1255,11 @@ async fn suite(
                 Current,
                 256 * 1024,
             ),
+            one_way(
+                "RdmaStream one way, multi-thread (2), ring 256 KiB",
+                Multi,
+                256 * 1024,
+            ),
             Case {
                 scheme: "tcp",
                 ..one_way("TCP one way, current_thread", Current, 65536)

@@ -416,7 +416,11 @@ impl RdmaConfig {
     /// does not read (default 8 MiB). Incoming data is moved out of the ring
     /// in the background up to this limit, so receive credit keeps flowing
     /// while the application is busy writing (what h2 needs); past it the
-    /// ring fills and the peer's writes wait, like a full TCP window.
+    /// ring fills and the peer's writes wait, like a full TCP window. Bytes
+    /// that a read smaller than what arrived left in the ring stay there
+    /// for the next read, and are moved out only if none comes within two
+    /// of the driver's 5 ms ticks (`ConnectionStats::bytes_buffered`
+    /// counts what was moved).
     pub fn recv_buffer_limit(mut self, bytes: usize) -> Self {
         self.recv_buffer_limit = bytes;
         self

@@ -55,12 +55,13 @@ pub(crate) struct StreamState {
     ring_pending: VecDeque<(u32, u32)>,
     recv_buffer_limit: usize,
     /// The driver may move arrived bytes out of the ring into the backlog.
-    /// A read that copied straight from the ring and left bytes there
-    /// clears it: the reader is at work and copies them once, where the
-    /// driver's move would make two copies and an allocation. A driver
-    /// tick with no such read since the tick before sets it again (see
-    /// [`Driven::on_tick`]), so bytes a reader left behind are moved out,
-    /// and their credit returned, within two ticks of its last read.
+    /// A read that left bytes in the ring clears it: the reader is at work
+    /// and copies them once, where the driver's move would make two copies
+    /// and an allocation. A read that leaves the ring empty sets it again,
+    /// and so does a driver tick with no read that left bytes since the
+    /// tick before (see [`Driven::on_tick`]), so bytes a reader left
+    /// behind are moved out, and their credit returned, within two ticks
+    /// of its last read.
     driver_drains: bool,
     /// A read left bytes in the ring since the driver's last tick.
     left_in_ring: bool,
@@ -247,7 +248,8 @@ impl StreamState {
     /// Progress for a task about to read: arrived bytes stay in the ring
     /// for it to copy straight into its buffer (the driver drains what the
     /// reader leaves when its own round comes: on an event the reader did
-    /// not take, or its tick, see `Delegation` and
+    /// not take, or its tick, see `Delegation`; after a read that left
+    /// bytes in the ring, only at a tick without such reads, see
     /// `StreamState::driver_drains`).
     fn progress_reading(&mut self) {
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -489,13 +491,17 @@ impl Conn {
         }
         if copied > 0 {
             if st.backlog.is_empty() && !st.ring_pending.is_empty() {
-                // Read straight from the ring, and more is there: leave
-                // it to the next read (one copy), unless no read comes
-                // before the driver's tick after next.
+                // Bytes are left in the ring: leave them to the next read
+                // (one copy), unless no read comes before the driver's
+                // tick after next.
                 st.driver_drains = false;
                 st.left_in_ring = true;
             } else {
-                // Backlog space freed: move more ring data out.
+                // Nothing left in the ring for this reader (or the backlog
+                // is ahead of it): the driver moves arrivals out again at
+                // once, and backlog space this read freed is filled.
+                st.driver_drains = true;
+                st.left_in_ring = false;
                 st.drain_ring();
             }
             // Return the credit of what was consumed.
