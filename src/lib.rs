@@ -103,8 +103,8 @@ pub mod __testing {
         endpoint.last_window()
     }
 
-    /// The address of `stream`'s receive ring and the key it announced to
-    /// its peer.
+    /// The address of `stream`'s receive ring (the one its peer writes
+    /// now, after any growth) and the key it announced to its peer.
     pub fn ring_key(stream: &crate::RdmaStream) -> (u64, u32) {
         stream.ring_key()
     }

@@ -53,9 +53,15 @@ pub struct ConnectionStats {
     /// others of `bytes_received` went straight from the ring into a
     /// reader's buffer, or are still in the ring.
     pub bytes_buffered: u64,
-    /// Registered memory this connection holds, bytes (receive ring plus
-    /// send buffer).
+    /// Registered memory this connection holds, bytes (receive rings plus
+    /// send buffer; while a grown ring replaces the previous one, both).
     pub registered_bytes: u64,
+    /// Length of the receive ring the peer writes into now, bytes: the
+    /// configured `ring_size`, doubled per growth (see
+    /// `RdmaConfig::max_ring_size`).
+    pub ring_size: u32,
+    /// Times the receive ring grew.
+    pub rings_grown: u64,
     /// Reads that found nothing and were answered while spinning on the
     /// completion queue (see `RdmaConfig::wait_strategy`).
     pub spin_hits: u64,

@@ -1226,3 +1226,144 @@ async fn a_read_dropped_while_parked_leaves_progress_to_the_driver() {
     assert_eq!(all.len(), BULK);
     assert!(all == bulk, "the bytes arrived changed");
 }
+
+// ---- Receive rings that grow under bulk -------------------------------------
+
+/// Writes `len` pattern bytes in 64 KiB writes and closes.
+async fn write_pattern(mut s: RdmaStream, seed: u64, len: u64) -> io::Result<RdmaStream> {
+    let mut sent = 0u64;
+    while sent < len {
+        let n = (len - sent).min(64 * 1024);
+        let buf: Vec<u8> = (0..n).map(|k| pattern(seed, sent + k)).collect();
+        s.write_all(&buf).await?;
+        sent += n;
+    }
+    s.shutdown().await?;
+    Ok(s)
+}
+
+/// Reads to EOF in 64 KiB reads, checking every byte; returns the count.
+async fn read_pattern(s: &mut RdmaStream, seed: u64) -> io::Result<u64> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0u64;
+    loop {
+        let n = s.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(got);
+        }
+        for (k, b) in buf[..n].iter().enumerate() {
+            assert_eq!(*b, pattern(seed, got + k as u64), "byte {}", got + k as u64);
+        }
+        got += n as u64;
+    }
+}
+
+/// A bulk stream whose reader keeps up grows the receive ring from 64 KiB
+/// to `max_ring_size` (128 KiB here: one doubling; 64 KiB writes fill a
+/// 64 KiB ring with every WR, so the fill cycles are certain), every byte
+/// arriving once and in order across the switch; the ring it left is
+/// freed (the reader holds exactly the 128 KiB ring), and the writer's own
+/// ring, which received nothing, stays at 64 KiB. With `max_ring_size` at
+/// `ring_size` the ring never grows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_stream_grows_its_ring_and_frees_the_one_it_left() {
+    const LEN: u64 = 8 << 20;
+    for (max, grown, ring) in [(128 * 1024, 1, 128 * 1024), (64 * 1024, 0, 64 * 1024)] {
+        let cfg = RdmaConfig::new().max_ring_size(max);
+        let l = bind(&cfg).await;
+        let addr = l.local_addr().unwrap();
+        let (c, s) = tokio::join!(RdmaStream::connect_with(addr, &cfg), l.accept());
+        let (c, (mut s, _)) = (c.unwrap(), s.unwrap());
+        let writer = tokio::spawn(write_pattern(c, 41, LEN));
+        assert_eq!(read_pattern(&mut s, 41).await.unwrap(), LEN);
+        let c = writer.await.unwrap().unwrap();
+        let st = s.stats();
+        assert_eq!((st.rings_grown, st.ring_size), (grown, ring), "max {max:?}");
+        assert_eq!(st.bytes_received, LEN);
+        assert_eq!(st.errors, 0);
+        assert_eq!(
+            st.registered_bytes,
+            u64::from(ring),
+            "only the current ring"
+        );
+        let ct = c.stats();
+        assert_eq!((ct.rings_grown, ct.ring_size), (0, 64 * 1024));
+        assert_eq!(ct.bytes_sent, LEN);
+    }
+}
+
+/// After the ring grew, the key of the ring it left opens nothing, even to
+/// the peer it was granted to: a write with it fails with a remote access
+/// error. And the new ring's key is useless from another connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grown_rings_keys_open_only_the_current_ring_on_its_own_connection() {
+    const LEN: u64 = 8 << 20;
+    let cfg = RdmaConfig::new().max_ring_size(128 * 1024);
+    let l = bind(&cfg).await;
+    let addr = l.local_addr().unwrap();
+    let (c, s) = tokio::join!(RdmaStream::connect_with(addr, &cfg), l.accept());
+    let (c, (mut s, _)) = (c.unwrap(), s.unwrap());
+    let (c2, s2) = tokio::join!(RdmaStream::connect(addr), l.accept());
+    let (mut c2, (_s2, _)) = (c2.unwrap(), s2.unwrap());
+    let (first_addr, first_key) = tokio_rdma::__testing::ring_key(&s);
+    let (rd, wr) = c.into_split();
+    let writer = tokio::spawn(async move {
+        let mut sent = 0u64;
+        let mut wr = wr;
+        while sent < LEN {
+            let n = (LEN - sent).min(64 * 1024);
+            let buf: Vec<u8> = (0..n).map(|k| pattern(43, sent + k)).collect();
+            wr.write_all(&buf).await?;
+            sent += n;
+        }
+        Ok::<_, io::Error>(wr)
+    });
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0u64;
+    while got < LEN {
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(n > 0, "EOF before all bytes");
+        for (k, b) in buf[..n].iter().enumerate() {
+            assert_eq!(*b, pattern(43, got + k as u64));
+        }
+        got += n as u64;
+    }
+    let wr = writer.await.unwrap().unwrap();
+    assert_eq!(s.stats().rings_grown, 1);
+    let (new_addr, new_key) = tokio_rdma::__testing::ring_key(&s);
+    assert_ne!((new_addr, new_key), (first_addr, first_key));
+    // Another connection with the current ring's key: refused.
+    tokio_rdma::__testing::forge_ring_write(&c2, new_addr, new_key, 64).unwrap();
+    let mut one = [0u8; 1];
+    let err = tokio::time::timeout(Duration::from_secs(30), c2.read(&mut one))
+        .await
+        .expect("the forger's connection fails")
+        .expect_err("a remote access error, not data or EOF");
+    assert!(
+        matches!(
+            Error::from_io(&err),
+            Some(Error::WorkCompletion { status: 10, .. })
+        ),
+        "REM_ACCESS_ERR expected: {err:?}"
+    );
+    // The peer itself, with the first ring's (retired) key: refused too.
+    let c = rd.reunite(wr).unwrap();
+    tokio_rdma::__testing::forge_ring_write(&c, first_addr, first_key, 64).unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(30), rd_read_err(c))
+        .await
+        .expect("the forger's connection fails");
+    assert!(
+        matches!(
+            Error::from_io(&err),
+            Some(Error::WorkCompletion { status: 10, .. })
+        ),
+        "REM_ACCESS_ERR expected: {err:?}"
+    );
+}
+
+async fn rd_read_err(mut c: RdmaStream) -> io::Error {
+    let mut one = [0u8; 1];
+    c.read(&mut one)
+        .await
+        .expect_err("a remote access error, not data or EOF")
+}

@@ -91,6 +91,14 @@ pub enum ProtocolError {
         /// outstanding.
         outstanding: Option<(u64, u64)>,
     },
+    /// A ring-growth message out of turn: a GRANT chunk out of order, a
+    /// new offer before the last one was taken, an offer beyond the
+    /// largest ring (2^30 bytes), or a SWITCH without an offer.
+    #[error("ring growth out of turn: {reason}")]
+    RingGrowth {
+        /// What was out of turn.
+        reason: &'static str,
+    },
     /// A `StreamParams` field is out of
     /// range.
     #[error("invalid stream parameter {name} = {value}: {allowed}")]
@@ -108,7 +116,8 @@ impl ProtocolError {
     /// The code sent in the ABORT immediate when this error makes the core
     /// abort the connection: `BadImm` 1, `RingWrap` 2, `RingOverrun` 3,
     /// `WrOverrun` 4, `CreditOverflow` 5, `DataAfterFin` 6, `DuplicateFin` 7,
-    /// `MessageAfterAbort` 8, `UnknownWrId` 9, `InvalidParams` 10. Code 0 is
+    /// `MessageAfterAbort` 8, `UnknownWrId` 9, `InvalidParams` 10,
+    /// `RingGrowth` 11. Code 0 is
     /// left for aborts requested by the application
     /// (`ABORT_CODE_APPLICATION`).
     pub fn abort_code(&self) -> u32 {
@@ -123,6 +132,7 @@ impl ProtocolError {
             ProtocolError::MessageAfterAbort { .. } => 8,
             ProtocolError::UnknownWrId { .. } => 9,
             ProtocolError::InvalidParams { .. } => 10,
+            ProtocolError::RingGrowth { .. } => 11,
         }
     }
 }

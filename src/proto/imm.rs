@@ -9,8 +9,22 @@
 //! |-------------|--------|-------------------------------------------------------------------|
 //! | `00`        | DATA   | payload length in bytes, `1..=`[`MAX_DATA_LEN`]                    |
 //! | `01`        | CREDIT | bits 29..20: receive WRs returned (0..=1023); bits 19..0: ring bytes returned (0..=[`MAX_CREDIT_BYTES`]) |
-//! | `10`        | FIN    | must be 0                                                          |
+//! | `10`        | FIN and ring growth | 0: FIN; otherwise bits 29..26 pick GRANT (`0001`) or SWITCH (`0010`), below |
 //! | `11`        | ABORT  | an error code (0..=[`MAX_ABORT_CODE`])                             |
+//!
+//! Ring growth (protocol version 6) rides in the FIN type's spare bits:
+//!
+//! | bits 29..26 | message | bits 25..24 | bits 23..0 |
+//! |-------------|---------|-------------|------------|
+//! | `0001`      | GRANT chunk | chunk index 0..=3 | 24 bits of the 96-bit descriptor: ring address (u64) then rkey (u32), big-endian, chunk 0 first |
+//! | `0010`      | SWITCH  | 0           | 0          |
+//!
+//! A receiver offers a ring twice as large as its current one in four
+//! GRANT chunks (every message is a WRITE WITH IMMEDIATE that carries no
+//! receive buffer, so a 16-byte record has no other place to ride; a ring
+//! grows at most a few times per connection). The sender answers SWITCH
+//! before its first write into the new ring; see
+//! [`stream`](crate::proto::stream) for the protocol.
 //!
 //! The immediate is carried in network byte order by the NIC; the runtime
 //! hands the core the host-order `u32` value (`u32::from_be` of the
@@ -37,6 +51,33 @@ const TYPE_CREDIT: u32 = 0b01;
 const TYPE_FIN: u32 = 0b10;
 const TYPE_ABORT: u32 = 0b11;
 const CREDIT_WRS_SHIFT: u32 = 20;
+const SUBTYPE_SHIFT: u32 = 26;
+const SUBTYPE_GRANT: u32 = 0b0001;
+const SUBTYPE_SWITCH: u32 = 0b0010;
+const CHUNK_SHIFT: u32 = 24;
+
+/// Bits of the ring descriptor one GRANT chunk carries: 24.
+pub const GRANT_CHUNK_BITS: u32 = 24;
+
+/// GRANT chunks in one ring offer: 4 (96 bits: address u64, rkey u32).
+pub const GRANT_CHUNKS: u8 = 4;
+
+/// Splits a ring descriptor (address, rkey) into the payloads of its
+/// [`GRANT_CHUNKS`] GRANT chunks, chunk 0 first.
+pub fn grant_chunks(addr: u64, rkey: u32) -> [u32; 4] {
+    let d = (u128::from(addr) << 32) | u128::from(rkey);
+    let mask = (1u128 << GRANT_CHUNK_BITS) - 1;
+    [3u32, 2, 1, 0].map(|i| ((d >> (i * GRANT_CHUNK_BITS)) & mask) as u32)
+}
+
+/// Joins the payloads of the four GRANT chunks, chunk 0 first, back into
+/// (address, rkey).
+pub fn grant_descriptor(chunks: [u32; 4]) -> (u64, u32) {
+    let d = chunks
+        .iter()
+        .fold(0u128, |d, &c| (d << GRANT_CHUNK_BITS) | u128::from(c));
+    ((d >> 32) as u64, d as u32)
+}
 
 /// A decoded immediate: one message of the stream protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -58,6 +99,19 @@ pub enum Imm {
     },
     /// The sender half-closed: no DATA follows.
     Fin,
+    /// Chunk `index` (`0..`[`GRANT_CHUNKS`]) of a ring offer: 24 bits
+    /// (`bits < 2^24`) of the new ring's address and rkey
+    /// ([`grant_chunks`]). The offered ring is twice the sender's current
+    /// receive ring.
+    Grant {
+        /// Chunk index, 0..=3.
+        index: u8,
+        /// The chunk's 24 descriptor bits.
+        bits: u32,
+    },
+    /// The sender took the receiver's last ring offer: its next DATA
+    /// lands at offset 0 of the new ring.
+    Switch,
     /// The sender aborted the connection with an error `code`
     /// (`0..=`[`MAX_ABORT_CODE`]); nothing follows.
     Abort {
@@ -89,6 +143,14 @@ impl Imm {
                     | (bytes & MAX_CREDIT_BYTES)
             }
             Imm::Fin => TYPE_FIN << TYPE_SHIFT,
+            Imm::Grant { index, bits } => {
+                debug_assert!(index < GRANT_CHUNKS && bits < 1 << GRANT_CHUNK_BITS);
+                (TYPE_FIN << TYPE_SHIFT)
+                    | (SUBTYPE_GRANT << SUBTYPE_SHIFT)
+                    | ((u32::from(index) & 0b11) << CHUNK_SHIFT)
+                    | (bits & ((1 << GRANT_CHUNK_BITS) - 1))
+            }
+            Imm::Switch => (TYPE_FIN << TYPE_SHIFT) | (SUBTYPE_SWITCH << SUBTYPE_SHIFT),
             Imm::Abort { code } => {
                 debug_assert!(code <= MAX_ABORT_CODE, "ABORT code {code}");
                 (TYPE_ABORT << TYPE_SHIFT) | (code & LOW_MASK)
@@ -100,8 +162,10 @@ impl Imm {
     ///
     /// # Errors
     ///
-    /// [`ProtocolError::BadImm`] for a DATA with length 0 or a FIN with
-    /// non-zero low 30 bits. Every CREDIT and ABORT bit pattern is valid.
+    /// [`ProtocolError::BadImm`] for a DATA with length 0, or a FIN-type
+    /// immediate that is neither FIN (low 30 bits 0), a GRANT chunk nor a
+    /// SWITCH (no other bits set). Every CREDIT and ABORT bit pattern is
+    /// valid.
     pub fn decode(imm: u32) -> Result<Imm, ProtocolError> {
         let low = imm & LOW_MASK;
         match imm >> TYPE_SHIFT {
@@ -115,11 +179,18 @@ impl Imm {
                 wrs: (low >> CREDIT_WRS_SHIFT) as u16,
                 bytes: low & MAX_CREDIT_BYTES,
             }),
-            TYPE_FIN if low != 0 => Err(ProtocolError::BadImm {
-                imm,
-                reason: "FIN with non-zero low 30 bits",
-            }),
-            TYPE_FIN => Ok(Imm::Fin),
+            TYPE_FIN if low == 0 => Ok(Imm::Fin),
+            TYPE_FIN => match low >> SUBTYPE_SHIFT {
+                SUBTYPE_GRANT => Ok(Imm::Grant {
+                    index: ((low >> CHUNK_SHIFT) & 0b11) as u8,
+                    bits: low & ((1 << GRANT_CHUNK_BITS) - 1),
+                }),
+                SUBTYPE_SWITCH if low == SUBTYPE_SWITCH << SUBTYPE_SHIFT => Ok(Imm::Switch),
+                _ => Err(ProtocolError::BadImm {
+                    imm,
+                    reason: "FIN type that is no FIN, GRANT or SWITCH",
+                }),
+            },
             _ => Ok(Imm::Abort { code: low }),
         }
     }
@@ -144,6 +215,16 @@ mod tests {
             0x7FFF_FFFF
         );
         assert_eq!(Imm::Fin.encode(), 0x8000_0000);
+        assert_eq!(Imm::Grant { index: 0, bits: 1 }.encode(), 0x8400_0001);
+        assert_eq!(
+            Imm::Grant {
+                index: 3,
+                bits: 0xAB_CDEF
+            }
+            .encode(),
+            0x87AB_CDEF
+        );
+        assert_eq!(Imm::Switch.encode(), 0x8800_0000);
         assert_eq!(Imm::Abort { code: 0 }.encode(), 0xC000_0000);
         assert_eq!(
             Imm::Abort {
@@ -171,6 +252,12 @@ mod tests {
                 bytes: MAX_CREDIT_BYTES,
             },
             Imm::Fin,
+            Imm::Grant { index: 0, bits: 0 },
+            Imm::Grant {
+                index: 3,
+                bits: 0xFF_FFFF,
+            },
+            Imm::Switch,
             Imm::Abort { code: 0 },
             Imm::Abort { code: 12345 },
             Imm::Abort {
@@ -196,7 +283,14 @@ mod tests {
                 Ok(imm) => assert_eq!(imm.encode(), x),
                 Err(ProtocolError::BadImm { imm, .. }) => {
                     assert_eq!(imm, x);
-                    assert!(x == 0 || (x >> 30 == 0b10 && x & LOW_MASK != 0), "{x:#x}");
+                    let subtype = (x & LOW_MASK) >> SUBTYPE_SHIFT;
+                    // FIN-type patterns other than FIN, every GRANT chunk
+                    // and the one SWITCH.
+                    let bad_fin = x >> 30 == 0b10
+                        && subtype != SUBTYPE_GRANT
+                        && x != Imm::Fin.encode()
+                        && x != Imm::Switch.encode();
+                    assert!(x == 0 || bad_fin, "{x:#x}");
                 }
                 Err(other) => panic!("unexpected {other:?}"),
             }
@@ -212,19 +306,32 @@ mod tests {
                 reason: "DATA with length 0"
             })
         );
-        assert_eq!(
-            Imm::decode(0x8000_0001),
-            Err(ProtocolError::BadImm {
-                imm: 0x8000_0001,
-                reason: "FIN with non-zero low 30 bits"
-            })
-        );
-        assert_eq!(
-            Imm::decode(0xBFFF_FFFF),
-            Err(ProtocolError::BadImm {
-                imm: 0xBFFF_FFFF,
-                reason: "FIN with non-zero low 30 bits"
-            })
-        );
+        for imm in [
+            0x8000_0001,
+            0xBFFF_FFFF,
+            0x8800_0001,
+            0x8C00_0000,
+            0x8300_0000,
+        ] {
+            assert_eq!(
+                Imm::decode(imm),
+                Err(ProtocolError::BadImm {
+                    imm,
+                    reason: "FIN type that is no FIN, GRANT or SWITCH"
+                }),
+                "{imm:#x}"
+            );
+        }
+    }
+
+    #[test]
+    fn grant_descriptor_round_trips_through_four_chunks() {
+        let addr = 0x0123_4567_89AB_CDEF;
+        let rkey = 0xFEDC_BA98;
+        let chunks = grant_chunks(addr, rkey);
+        assert_eq!(chunks, [0x01_2345, 0x67_89AB, 0xCD_EFFE, 0xDC_BA98]);
+        assert_eq!(grant_descriptor(chunks), (addr, rkey));
+        assert_eq!(grant_descriptor(grant_chunks(u64::MAX, 0)), (u64::MAX, 0));
+        assert_eq!(grant_descriptor(grant_chunks(0, u32::MAX)), (0, u32::MAX));
     }
 }

@@ -82,11 +82,23 @@ use std::ops::Range;
 
 use crate::proto::error::{ProtocolError, WriteError};
 use crate::proto::handshake::{MAX_RECV_DEPTH, MAX_RING_LEN, MIN_RECV_DEPTH};
-use crate::proto::imm::{Imm, MAX_CREDIT_BYTES, MAX_CREDIT_WRS, MAX_DATA_LEN};
+use crate::proto::imm::{
+    GRANT_CHUNKS, Imm, MAX_CREDIT_BYTES, MAX_CREDIT_WRS, MAX_DATA_LEN, grant_chunks,
+    grant_descriptor,
+};
 
 /// Receive-WR credits at the peer that data may not use: 2. They are kept
 /// for control messages (CREDIT, FIN), so credit can always flow back.
 pub const CONTROL_RESERVE: u16 = 2;
+
+/// Fill cycles after which a receive ring asks to grow: 4. A cycle is the
+/// ring filling to within a quarter of its length (the peer's writer held
+/// back by byte credit) and the reader then emptying it (the reader keeps
+/// up, so a larger ring lets more bytes fly). A reader slower than its
+/// writer rarely empties the ring and never grows it; an idle or
+/// request/response connection with small messages never fills it. The
+/// count starts again after each growth.
+pub const GROW_AFTER_FILLS: u16 = 4;
 
 /// ABORT code used for aborts requested by the application. Codes 1..=10
 /// are protocol errors ([`ProtocolError::abort_code`]).
@@ -102,11 +114,20 @@ pub struct StreamParams {
     /// `1..=`[`MAX_RING_LEN`] (1 GiB).
     pub send_buf_len: u32,
     /// Length of the local receive ring in bytes, `1..=`[`MAX_RING_LEN`].
+    /// After a ring growth, [`StreamCore::params`] reports the current
+    /// ring's length here.
     pub ring_len: u32,
+    /// Largest length in bytes the local receive ring may grow to,
+    /// `ring_len..=`[`MAX_RING_LEN`]: the ring doubles (see
+    /// [`StreamCore::ring_wanted`]) while the double is at most this.
+    /// Equal to `ring_len`: the ring never grows.
+    pub max_ring_len: u32,
     /// Receive WRs this side keeps posted,
     /// [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`] (4..=1023).
     pub recv_depth: u16,
     /// Length of the peer's receive ring in bytes, `1..=`[`MAX_RING_LEN`].
+    /// After the peer's ring grew, [`StreamCore::params`] reports the
+    /// current peer ring's length here.
     pub peer_ring_len: u32,
     /// Receive WRs the peer keeps posted, [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`].
     pub peer_recv_depth: u16,
@@ -142,9 +163,14 @@ pub struct Transmit {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TransmitKind {
     /// Write `len` bytes from `send_buf[local_offset..local_offset + len]`
-    /// to `peer_ring[remote_offset..remote_offset + len]`. Neither range
-    /// wraps; `1 <= len <= max_write_len`.
+    /// to `peer_ring[remote_offset..remote_offset + len]` of the peer ring
+    /// of generation `ring` (the address and rkey of the last
+    /// [`RecvEvent::Grant`], or the handshake's for generation 0). Neither
+    /// range wraps; `1 <= len <= max_write_len`.
     Data {
+        /// Generation of the peer ring: 0 for the handshake's, one more per
+        /// [`RecvEvent::Grant`].
+        ring: u32,
         /// Offset in the local send buffer, bytes.
         local_offset: u32,
         /// Payload length, bytes.
@@ -157,7 +183,7 @@ pub enum TransmitKind {
         inline: bool,
     },
     /// A zero-length write carrying only `imm`: an encoded [`Imm::Credit`],
-    /// [`Imm::Fin`] or [`Imm::Abort`].
+    /// [`Imm::Fin`], [`Imm::Abort`], [`Imm::Grant`] or [`Imm::Switch`].
     Control {
         /// Immediate data (host order).
         imm: u32,
@@ -177,8 +203,12 @@ impl TransmitKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RecvEvent {
     /// `len` new bytes lie at `ring[offset..offset + len]` of the local
-    /// receive ring (never wrapping), right after the previous data.
+    /// receive ring of generation `ring` (never wrapping), right after the
+    /// previous data.
     Data {
+        /// Generation of the local ring: 0 for the handshake's, one more per
+        /// [`RecvEvent::Switch`].
+        ring: u32,
         /// Ring offset, bytes.
         offset: u32,
         /// Length, bytes (at least 1).
@@ -195,6 +225,28 @@ pub enum RecvEvent {
     /// The peer half-closed: after the bytes already received, reads reach
     /// end-of-file.
     Fin,
+    /// One chunk (index 0..=2) of the peer's ring offer arrived; nothing
+    /// for the runtime to do.
+    GrantChunk {
+        /// The chunk's index.
+        index: u8,
+    },
+    /// The peer offered a receive ring of `len` bytes at `addr`, opened
+    /// with `rkey` (its last GRANT chunk arrived). From now on DATA WRs
+    /// write there ([`TransmitKind::Data`]'s `ring` counts up by one); the
+    /// runtime must use `addr` and `rkey` for them.
+    Grant {
+        /// Virtual address of the new ring at the peer.
+        addr: u64,
+        /// Remote key of the new ring.
+        rkey: u32,
+        /// Length of the new ring in bytes (twice the previous one).
+        len: u32,
+    },
+    /// The peer took this side's ring offer: DATA from now on lands in the
+    /// ring offered last (generation one more). The previous ring is still
+    /// read out first; [`StreamCore::oldest_ring`] says when it may go.
+    Switch,
     /// The peer aborted the connection with `code`; writes now fail with
     /// [`WriteError::Reset`].
     Abort {
@@ -231,6 +283,11 @@ pub struct StreamStats {
     /// Times the sender became blocked on a full send queue, counted once per
     /// blocked period.
     pub send_queue_stalls: u64,
+    /// Times the local receive ring grew (the peer's SWITCH arrived).
+    pub rings_grown: u64,
+    /// Times this side moved its writes to a larger peer ring (a whole
+    /// ring offer arrived).
+    pub peer_rings_grown: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -250,8 +307,33 @@ struct LocalAbort {
 enum Action {
     Abort(u32),
     Credit { wrs: u16, bytes: u32 },
+    Grant { index: u8, bits: u32 },
+    Switch,
     Data { len: u32 },
     Fin,
+}
+
+/// Where the local ring's growth stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Growth {
+    /// Counting fill cycles ([`GROW_AFTER_FILLS`]): `fills` completed,
+    /// `nearly_full` once the ring filled since it last emptied.
+    Watching { fills: u16, nearly_full: bool },
+    /// The runtime offered a ring; chunks `next..` are still to send.
+    Offering { chunks: [u32; 4], next: u8 },
+    /// Every chunk sent: the peer writes the new ring after its SWITCH.
+    /// Bytes consumed from the current ring are never returned from now
+    /// on (the peer's credit starts anew with the new ring).
+    Offered,
+}
+
+/// A previous local ring still holding unread bytes after a SWITCH.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct OldRing {
+    generation: u32,
+    len: u32,
+    read_pos: u32,
+    unconsumed: u32,
 }
 
 /// The sans-IO state machine of one byte stream.
@@ -307,6 +389,24 @@ pub struct StreamCore {
     local_abort: Option<LocalAbort>,
     credit_stalled: bool,
     sq_stalled: bool,
+
+    // Growth of the peer's ring.
+    /// Generation of the peer ring DATA is written into.
+    peer_ring_gen: u32,
+    /// Chunks of the peer's ring offer received so far, and their bits.
+    grant_rx: (u8, [u32; 4]),
+    /// An offer was taken: SWITCH goes out before the next DATA.
+    switch_pending: bool,
+
+    // Growth of the local ring.
+    /// Generation of the local ring DATA arrives in.
+    ring_gen: u32,
+    growth: Growth,
+    /// Bytes of the current ring consumed after the last offer went out:
+    /// never returned, and not free until the SWITCH.
+    abandoned: u32,
+    /// The previous ring, read before the current one.
+    old_ring: Option<OldRing>,
 
     // Receive side (local ring of p.ring_len bytes).
     /// Ring offset where the next DATA lands.
@@ -375,6 +475,12 @@ impl StreamCore {
             "1..=2^30 bytes",
         )?;
         check(
+            "max_ring_len",
+            params.max_ring_len.into(),
+            u64::from(params.ring_len)..u64::from(MAX_RING_LEN) + 1,
+            "ring_len..=2^30 bytes",
+        )?;
+        check(
             "recv_depth",
             params.recv_depth.into(),
             depth.clone(),
@@ -429,6 +535,16 @@ impl StreamCore {
             local_abort: None,
             credit_stalled: false,
             sq_stalled: false,
+            peer_ring_gen: 0,
+            grant_rx: (0, [0; 4]),
+            switch_pending: false,
+            ring_gen: 0,
+            growth: Growth::Watching {
+                fills: 0,
+                nearly_full: false,
+            },
+            abandoned: 0,
+            old_ring: None,
             recv_tail: 0,
             read_pos: 0,
             unconsumed: 0,
@@ -571,6 +687,19 @@ impl StreamCore {
                 return Some(credit);
             }
         }
+        // Ring growth uses WR credit as DATA does (above the reserve).
+        let above_reserve = self.peer_wr_credit > CONTROL_RESERVE;
+        if let Growth::Offering { chunks, next } = self.growth {
+            if above_reserve {
+                return Some(Action::Grant {
+                    index: next,
+                    bits: chunks[usize::from(next)],
+                });
+            }
+        }
+        if self.switch_pending && above_reserve {
+            return Some(Action::Switch);
+        }
         if self.sb_unposted > 0 {
             if !self.data_blocked_on_credit() {
                 return Some(Action::Data {
@@ -625,6 +754,7 @@ impl StreamCore {
         let action = self.next_action()?;
         let (kind, buf_bytes, always_signal) = match action {
             Action::Data { len } => {
+                debug_assert!(!self.switch_pending, "DATA before SWITCH");
                 let local_offset = self.sb_post_pos;
                 let remote_offset = self.remote_pos;
                 self.sb_post_pos = advance(self.sb_post_pos, len, self.p.send_buf_len);
@@ -638,6 +768,7 @@ impl StreamCore {
                 self.stats.inline += u64::from(inline);
                 (
                     TransmitKind::Data {
+                        ring: self.peer_ring_gen,
                         local_offset,
                         len,
                         remote_offset,
@@ -660,8 +791,38 @@ impl StreamCore {
                     false,
                 )
             }
+            Action::Grant { index, bits } => {
+                if index + 1 == GRANT_CHUNKS {
+                    // The peer takes the offer when this chunk arrives and
+                    // counts credit for the new ring from then on.
+                    self.growth = Growth::Offered;
+                    self.abandoned += self.bytes_to_return;
+                    self.bytes_to_return = 0;
+                } else if let Growth::Offering { next, .. } = &mut self.growth {
+                    *next = index + 1;
+                }
+                (
+                    TransmitKind::Control {
+                        imm: Imm::Grant { index, bits }.encode(),
+                    },
+                    0,
+                    false,
+                )
+            }
+            Action::Switch => {
+                self.switch_pending = false;
+                (
+                    TransmitKind::Control {
+                        imm: Imm::Switch.encode(),
+                    },
+                    0,
+                    false,
+                )
+            }
             Action::Fin => {
                 self.fin_sent = true;
+                // No DATA follows, so no SWITCH is needed.
+                self.switch_pending = false;
                 (
                     TransmitKind::Control {
                         imm: Imm::Fin.encode(),
@@ -785,6 +946,12 @@ impl StreamCore {
         self.peer_bytes_credit
     }
 
+    /// Generation of the peer ring DATA is written into now: 0 for the
+    /// handshake's, one more per [`RecvEvent::Grant`].
+    pub fn peer_ring_generation(&self) -> u32 {
+        self.peer_ring_gen
+    }
+
     /// Receive WRs this side may still consume at the peer now (WR credit,
     /// including the [`CONTROL_RESERVE`]).
     pub fn peer_wr_credit(&self) -> u16 {
@@ -843,7 +1010,7 @@ impl StreamCore {
                         ring_len: self.p.ring_len,
                     });
                 }
-                let free = self.p.ring_len - self.unconsumed - self.bytes_to_return;
+                let free = self.ring_free();
                 if len > free {
                     return Err(ProtocolError::RingOverrun { len, free });
                 }
@@ -862,6 +1029,32 @@ impl StreamCore {
             }
             Imm::Fin if self.fin_received => return Err(ProtocolError::DuplicateFin),
             Imm::Fin | Imm::Abort { .. } => {}
+            Imm::Grant { index, .. } => {
+                let reason = if self.switch_pending {
+                    Some("a new ring offer before the last one was taken")
+                } else if index != self.grant_rx.0 {
+                    Some("GRANT chunk out of order")
+                } else if index + 1 == GRANT_CHUNKS && self.p.peer_ring_len > MAX_RING_LEN / 2 {
+                    Some("a ring offer beyond the largest ring (2^30 bytes)")
+                } else {
+                    None
+                };
+                if let Some(reason) = reason {
+                    return Err(ProtocolError::RingGrowth { reason });
+                }
+            }
+            Imm::Switch => {
+                let reason = if self.growth != Growth::Offered {
+                    Some("SWITCH without a ring offer")
+                } else if self.fin_received {
+                    Some("SWITCH after FIN")
+                } else {
+                    None
+                };
+                if let Some(reason) = reason {
+                    return Err(ProtocolError::RingGrowth { reason });
+                }
+            }
         }
         self.wrs_to_return += 1;
         Ok(match msg {
@@ -870,7 +1063,16 @@ impl StreamCore {
                 self.recv_tail = advance(self.recv_tail, len, self.p.ring_len);
                 self.unconsumed += len;
                 self.stats.bytes_received += u64::from(len);
-                RecvEvent::Data { offset, len }
+                // Within a quarter of full: the writer is held back.
+                let filled = u64::from(self.ring_free()) * 4 <= u64::from(self.p.ring_len);
+                if let Growth::Watching { nearly_full, .. } = &mut self.growth {
+                    *nearly_full |= filled;
+                }
+                RecvEvent::Data {
+                    ring: self.ring_gen,
+                    offset,
+                    len,
+                }
             }
             Imm::Credit { wrs, bytes } => {
                 self.peer_wr_credit += wrs;
@@ -888,19 +1090,145 @@ impl StreamCore {
                 self.stats.control_received += 1;
                 RecvEvent::Abort { code }
             }
+            Imm::Grant { index, bits } => {
+                self.stats.control_received += 1;
+                self.grant_rx.1[usize::from(index)] = bits;
+                if index + 1 < GRANT_CHUNKS {
+                    self.grant_rx.0 = index + 1;
+                    return Ok(RecvEvent::GrantChunk { index });
+                }
+                let (addr, rkey) = grant_descriptor(self.grant_rx.1);
+                self.grant_rx = (0, [0; 4]);
+                // Checked above: at most 2^30.
+                let len = self.p.peer_ring_len * 2;
+                self.p.peer_ring_len = len;
+                self.peer_ring_gen += 1;
+                self.remote_pos = 0;
+                self.peer_bytes_credit = len;
+                // A side that sent its FIN writes no more; nor does an
+                // aborted one.
+                self.switch_pending = !self.fin_sent && self.local_abort.is_none();
+                self.stats.peer_rings_grown += 1;
+                RecvEvent::Grant { addr, rkey, len }
+            }
+            Imm::Switch => {
+                self.stats.control_received += 1;
+                if self.unconsumed > 0 {
+                    self.old_ring = Some(OldRing {
+                        generation: self.ring_gen,
+                        len: self.p.ring_len,
+                        read_pos: self.read_pos,
+                        unconsumed: self.unconsumed,
+                    });
+                }
+                self.ring_gen += 1;
+                // ring_wanted offered exactly the double.
+                self.p.ring_len *= 2;
+                self.credit_bytes_threshold = (self.p.ring_len / 4).clamp(1, MAX_CREDIT_BYTES);
+                self.recv_tail = 0;
+                self.read_pos = 0;
+                self.unconsumed = 0;
+                self.abandoned = 0;
+                self.growth = Growth::Watching {
+                    fills: 0,
+                    nearly_full: false,
+                };
+                self.stats.rings_grown += 1;
+                RecvEvent::Switch
+            }
         })
     }
 
-    /// Where the received, unconsumed bytes lie in the local ring, in
-    /// arrival order: `ranges[0]` then `ranges[1]` (empty unless they wrap),
-    /// offsets in bytes. Their total is [`readable_len`](StreamCore::readable_len).
-    pub fn readable(&self) -> [Range<usize>; 2] {
-        ranges(self.read_pos, self.unconsumed, self.p.ring_len)
+    /// Ring bytes of the current local ring the peer may still write:
+    /// neither unread nor consumed-and-unreturned.
+    fn ring_free(&self) -> u32 {
+        self.p.ring_len - self.unconsumed - self.bytes_to_return - self.abandoned
     }
 
-    /// Bytes received and not yet consumed.
+    // ----- ring growth -----------------------------------------------------
+
+    /// Length in bytes of the receive ring the runtime should register and
+    /// offer now ([`offer_ring`](StreamCore::offer_ring)), or `None`.
+    ///
+    /// Some after [`GROW_AFTER_FILLS`] fill cycles of the current ring,
+    /// while twice its length is at most `max_ring_len`, no earlier offer
+    /// is outstanding or still being read out, the peer has not half-closed
+    /// and the connection is healthy. The answer is always twice the
+    /// current ring (the peer derives the length from that: an offer
+    /// carries only address and key).
+    pub fn ring_wanted(&self) -> Option<u32> {
+        let Growth::Watching { fills, .. } = self.growth else {
+            return None;
+        };
+        if fills < GROW_AFTER_FILLS
+            || self.fin_received
+            || self.old_ring.is_some()
+            || self.is_aborted()
+            || self.lost
+        {
+            return None;
+        }
+        // ring_len <= 2^30: the double fits.
+        let next = self.p.ring_len * 2;
+        (next <= self.p.max_ring_len).then_some(next)
+    }
+
+    /// Offers the peer a new receive ring of
+    /// [`ring_wanted`](StreamCore::ring_wanted) bytes at `addr`, opened with
+    /// `rkey`: four GRANT chunks go out with the next
+    /// [`poll_transmit`](StreamCore::poll_transmit) calls (using WR credit
+    /// as DATA does). The ring must stay registered and open to the peer
+    /// from now until [`oldest_ring`](StreamCore::oldest_ring) passes its
+    /// generation (`ring_generation() + 1`) or the connection ends.
+    ///
+    /// Returns false, and does nothing, when `ring_wanted()` is `None`.
+    pub fn offer_ring(&mut self, addr: u64, rkey: u32) -> bool {
+        if self.ring_wanted().is_none() {
+            return false;
+        }
+        self.growth = Growth::Offering {
+            chunks: grant_chunks(addr, rkey),
+            next: 0,
+        };
+        true
+    }
+
+    /// Generation of the local ring DATA arrives in now: 0 for the
+    /// handshake's ring, one more per [`RecvEvent::Switch`]. A ring offered
+    /// and not yet switched to is generation `ring_generation() + 1`.
+    pub fn ring_generation(&self) -> u32 {
+        self.ring_gen
+    }
+
+    /// The oldest local ring generation still in use (holding unread bytes,
+    /// or receiving DATA): rings of older generations are no longer
+    /// written by the peer nor read, and the runtime may free them.
+    pub fn oldest_ring(&self) -> u32 {
+        self.old_ring.map_or(self.ring_gen, |old| old.generation)
+    }
+
+    /// Where the oldest received, unconsumed bytes lie, in arrival order:
+    /// in the local ring of generation
+    /// [`readable_generation`](StreamCore::readable_generation),
+    /// `ranges[0]` then `ranges[1]` (empty unless they wrap), offsets in
+    /// bytes. Their total is [`readable_len`](StreamCore::readable_len)
+    /// unless a previous ring is still being read out (then it is that
+    /// ring's share, read first).
+    pub fn readable(&self) -> [Range<usize>; 2] {
+        match self.old_ring {
+            Some(old) => ranges(old.read_pos, old.unconsumed, old.len),
+            None => ranges(self.read_pos, self.unconsumed, self.p.ring_len),
+        }
+    }
+
+    /// Generation of the ring [`readable`](StreamCore::readable) describes.
+    pub fn readable_generation(&self) -> u32 {
+        self.old_ring.map_or(self.ring_gen, |old| old.generation)
+    }
+
+    /// Bytes received and not yet consumed, in every ring.
     pub fn readable_len(&self) -> usize {
-        self.unconsumed as usize
+        (self.unconsumed + self.old_ring.map_or(0, |old| old.unconsumed)) as usize
     }
 
     /// The reader copied the next `n` bytes (in arrival order, starting at
@@ -909,22 +1237,48 @@ impl StreamCore {
     ///
     /// `n` must not exceed [`readable_len`](StreamCore::readable_len); a
     /// larger `n` is cut down to it (debug builds assert).
+    ///
+    /// Bytes of a previous ring are read first and are never returned (the
+    /// peer's credit started anew with the new ring); so are bytes of the
+    /// current ring once a ring offer went out whole.
     pub fn consume(&mut self, n: usize) {
         debug_assert!(
-            n <= self.unconsumed as usize,
+            n <= self.readable_len(),
             "consume({n}) with {} readable",
-            self.unconsumed
+            self.readable_len()
         );
-        let n = n.min(self.unconsumed as usize) as u32;
+        // readable_len() <= 2 * 2^30 - 1 when a previous ring is read out.
+        let mut n = n.min(self.readable_len()) as u64;
+        if let Some(old) = &mut self.old_ring {
+            let k = n.min(u64::from(old.unconsumed)) as u32;
+            old.read_pos = advance(old.read_pos, k, old.len);
+            old.unconsumed -= k;
+            n -= u64::from(k);
+            if old.unconsumed == 0 {
+                self.old_ring = None;
+            }
+        }
+        // What is left is at most the current ring's unread bytes.
+        let n = n as u32;
         self.read_pos = advance(self.read_pos, n, self.p.ring_len);
         self.unconsumed -= n;
-        self.bytes_to_return += n;
+        if self.growth == Growth::Offered {
+            self.abandoned += n;
+        } else {
+            self.bytes_to_return += n;
+        }
+        if let Growth::Watching { fills, nearly_full } = &mut self.growth {
+            if *nearly_full && self.unconsumed == 0 && self.old_ring.is_none() {
+                *fills = fills.saturating_add(1);
+                *nearly_full = false;
+            }
+        }
     }
 
     /// True once the peer's FIN arrived and every byte before it has been
     /// consumed: a read now returns end-of-file.
     pub fn readable_eof(&self) -> bool {
-        self.fin_received && self.unconsumed == 0
+        self.fin_received && self.readable_len() == 0
     }
 
     /// True once the peer's FIN arrived (there may still be unconsumed bytes).
@@ -952,6 +1306,13 @@ impl StreamCore {
     /// The stream's counters.
     pub fn stats(&self) -> StreamStats {
         self.stats
+    }
+
+    /// The local ring's generation, its unread bytes and the bytes consumed
+    /// and never to be returned (for the tests' conservation checks).
+    #[cfg(test)]
+    pub(crate) fn growth_view(&self) -> (u32, u32, u32) {
+        (self.ring_gen, self.unconsumed, self.abandoned)
     }
 
     /// Receive WRs and ring bytes consumed here and not yet returned to the

@@ -66,6 +66,9 @@ struct Cfg {
     inline_threshold: u32,
     signal_interval: u16,
     max_write_len: u32,
+    /// Largest ring the local ring grows to; at or below `ring_len`: no
+    /// growth.
+    max_ring_len: u32,
 }
 
 impl Default for Cfg {
@@ -78,14 +81,24 @@ impl Default for Cfg {
             inline_threshold: 64,
             signal_interval: 16,
             max_write_len: 1 << 20,
+            max_ring_len: 0,
         }
     }
+}
+
+/// The fake address and key side `side` offers for its ring `generation`.
+fn fake_ring(side: usize, generation: usize) -> (u64, u32) {
+    (
+        0x7F00_0000_0000 + ((generation as u64) << 32) + side as u64 * 4096,
+        0xAB00_0000 | ((generation as u32) << 8) | side as u32,
+    )
 }
 
 fn params(local: Cfg, peer: Cfg) -> StreamParams {
     StreamParams {
         send_buf_len: local.send_buf_len,
         ring_len: local.ring_len,
+        max_ring_len: local.max_ring_len.max(local.ring_len),
         recv_depth: local.recv_depth,
         peer_ring_len: peer.ring_len,
         peer_recv_depth: peer.recv_depth,
@@ -109,9 +122,10 @@ struct Side {
     id: usize,
     core: StreamCore,
     send_buf: Vec<u8>,
-    ring: Vec<u8>,
-    /// Shadow of the ring: true where an unread byte lies.
-    live: Vec<bool>,
+    /// The local rings by generation (grown ones appended when offered).
+    rings: Vec<Vec<u8>>,
+    /// Shadow of the rings: true where an unread byte lies.
+    live: Vec<Vec<bool>>,
     /// Bytes accepted from the application so far (content is `pattern`).
     written: usize,
     /// Bytes read out of the ring so far (checked against the peer's pattern).
@@ -137,8 +151,8 @@ impl Side {
             id,
             core: StreamCore::new(params(local, peer)).expect("valid params"),
             send_buf: vec![0; local.send_buf_len as usize],
-            ring: vec![0; local.ring_len as usize],
-            live: vec![false; local.ring_len as usize],
+            rings: vec![vec![0; local.ring_len as usize]],
+            live: vec![vec![false; local.ring_len as usize]],
             written: 0,
             read: 0,
             posted: 0,
@@ -165,14 +179,30 @@ impl Side {
         n
     }
 
+    /// Offers a larger ring when the core wants one, as the runtime does
+    /// before posting.
+    fn maybe_offer(&mut self) {
+        if let Some(len) = self.core.ring_wanted() {
+            let generation = self.rings.len();
+            assert_eq!(generation as u32, self.core.ring_generation() + 1);
+            assert_eq!(len as usize, 2 * self.rings[generation - 1].len());
+            self.rings.push(vec![0; len as usize]);
+            self.live.push(vec![false; len as usize]);
+            let (addr, rkey) = fake_ring(self.id, generation);
+            assert!(self.core.offer_ring(addr, rkey));
+        }
+    }
+
     /// Posts one WR if the core has one; checks its shape.
-    fn post_one(&mut self, peer_ring_len: usize) -> Option<Transmit> {
+    fn post_one(&mut self, peer_ring_lens: &[usize]) -> Option<Transmit> {
+        self.maybe_offer();
         let t = self.core.poll_transmit()?;
         let p = *self.core.params();
         self.posted += 1;
         assert_eq!(t.wr_id, self.posted, "wr_ids count up from 1");
         let inline = match t.kind {
             TransmitKind::Data {
+                ring,
                 local_offset,
                 len,
                 remote_offset,
@@ -180,6 +210,8 @@ impl Side {
                 inline,
             } => {
                 assert!(len >= 1 && len <= p.max_write_len, "{t:?}");
+                let peer_ring_len = peer_ring_lens[ring as usize];
+                assert_eq!(peer_ring_len, p.peer_ring_len as usize, "{t:?}");
                 assert!(
                     local_offset as usize + len as usize <= self.send_buf.len(),
                     "{t:?}"
@@ -205,9 +237,9 @@ impl Side {
         Some(t)
     }
 
-    fn post_all(&mut self, peer_ring_len: usize) -> usize {
+    fn post_all(&mut self, peer_ring_lens: &[usize]) -> usize {
         let mut n = 0;
-        while self.post_one(peer_ring_len).is_some() {
+        while self.post_one(peer_ring_lens).is_some() {
             n += 1;
         }
         n
@@ -224,34 +256,41 @@ impl Side {
     }
 
     /// Reads up to `max` bytes out of the ring; checks them.
+    /// Reads up to `max` bytes out of the rings, oldest ring first;
+    /// checks them.
     fn read_some(&mut self, max: usize) -> usize {
-        let readable = self.core.readable();
-        let total = self.core.readable_len();
-        assert_eq!(readable[0].len() + readable[1].len(), total);
-        let mut n = 0;
-        for range in readable {
-            for i in range {
-                if n == max {
-                    break;
+        let mut total = 0;
+        while total < max && self.core.readable_len() > 0 {
+            let g = self.core.readable_generation() as usize;
+            let readable = self.core.readable();
+            let in_ring = readable[0].len() + readable[1].len();
+            assert!(in_ring > 0 && in_ring <= self.core.readable_len());
+            let mut n = 0;
+            for range in readable {
+                for i in range {
+                    if total + n == max {
+                        break;
+                    }
+                    assert!(
+                        self.live[g][i],
+                        "reading a byte that never arrived at offset {i} of ring {g}"
+                    );
+                    assert_eq!(
+                        self.rings[g][i],
+                        pattern(1 - self.id, self.read),
+                        "byte {} of side {}'s stream (offset {i} of ring {g})",
+                        self.read,
+                        1 - self.id
+                    );
+                    self.live[g][i] = false;
+                    self.read += 1;
+                    n += 1;
                 }
-                assert!(
-                    self.live[i],
-                    "reading a byte that never arrived at ring offset {i}"
-                );
-                assert_eq!(
-                    self.ring[i],
-                    pattern(1 - self.id, self.read),
-                    "byte {} of side {}'s stream (ring offset {i})",
-                    self.read,
-                    1 - self.id
-                );
-                self.live[i] = false;
-                self.read += 1;
-                n += 1;
             }
+            self.core.consume(n);
+            total += n;
         }
-        self.core.consume(n);
-        n
+        total
     }
 }
 
@@ -275,14 +314,18 @@ impl Pair {
         Pair::new(cfg, cfg)
     }
 
+    fn peer_ring_lens(&self, from: usize) -> Vec<usize> {
+        self.s[1 - from].rings.iter().map(Vec::len).collect()
+    }
+
     fn post_all(&mut self, from: usize) -> usize {
-        let peer_ring = self.s[1 - from].ring.len();
-        self.s[from].post_all(peer_ring)
+        let lens = self.peer_ring_lens(from);
+        self.s[from].post_all(&lens)
     }
 
     fn post_one(&mut self, from: usize) -> Option<Transmit> {
-        let peer_ring = self.s[1 - from].ring.len();
-        self.s[from].post_one(peer_ring)
+        let lens = self.peer_ring_lens(from);
+        self.s[from].post_one(&lens)
     }
 
     /// Delivers the oldest WR `from` posted; returns the peer's event.
@@ -291,6 +334,7 @@ impl Pair {
         let (src, dst) = if from == A { (a, b) } else { (b, a) };
         let InFlight { t, inline } = src.wire.pop_front()?;
         if let TransmitKind::Data {
+            ring,
             local_offset,
             len,
             remote_offset,
@@ -300,29 +344,36 @@ impl Pair {
             let payload = inline
                 .unwrap_or_else(|| src.send_buf[local_offset as usize..][..len as usize].to_vec());
             let at = remote_offset as usize;
+            let g = ring as usize;
             for (i, byte) in payload.into_iter().enumerate() {
                 assert!(
-                    !dst.live[at + i],
-                    "{t:?} overwrites an unread byte at ring offset {}",
+                    !dst.live[g][at + i],
+                    "{t:?} overwrites an unread byte at offset {} of ring {g}",
                     at + i
                 );
-                dst.ring[at + i] = byte;
-                dst.live[at + i] = true;
+                dst.rings[g][at + i] = byte;
+                dst.live[g][at + i] = true;
             }
         }
         let result = dst.core.on_recv(t.kind.imm());
         if let Ok(event) = result {
             dst.events.push(event);
-            if let (
-                RecvEvent::Data { offset, len },
-                TransmitKind::Data {
-                    remote_offset,
-                    len: sent,
-                    ..
-                },
-            ) = (event, t.kind)
-            {
-                assert_eq!((offset, len), (remote_offset, sent));
+            match (event, t.kind) {
+                (
+                    RecvEvent::Data { ring, offset, len },
+                    TransmitKind::Data {
+                        ring: sent_ring,
+                        remote_offset,
+                        len: sent,
+                        ..
+                    },
+                ) => assert_eq!((ring, offset, len), (sent_ring, remote_offset, sent)),
+                (RecvEvent::Grant { addr, rkey, len }, _) => {
+                    let g = src.rings.len() - 1;
+                    assert_eq!((addr, rkey), fake_ring(src.id, g));
+                    assert_eq!(len as usize, src.rings[g].len());
+                }
+                _ => {}
             }
         }
         if t.signaled {
@@ -463,6 +514,7 @@ fn hello_world_and_half_close() {
         Transmit {
             wr_id: 1,
             kind: TransmitKind::Data {
+                ring: 0,
                 local_offset: 0,
                 len: 5,
                 remote_offset: 0,
@@ -482,7 +534,11 @@ fn hello_world_and_half_close() {
     );
     assert_eq!(
         pair.deliver(A),
-        Some(Ok(RecvEvent::Data { offset: 0, len: 5 }))
+        Some(Ok(RecvEvent::Data {
+            ring: 0,
+            offset: 0,
+            len: 5
+        }))
     );
     assert_eq!(pair.s[B].core.readable(), [0..5, 0..0]);
     assert!(!pair.s[B].core.readable_eof());
@@ -1183,7 +1239,7 @@ fn bad_imm_fin_with_payload_bits() {
         err,
         ProtocolError::BadImm {
             imm: 0x8000_0010,
-            reason: "FIN with non-zero low 30 bits"
+            reason: "FIN type that is no FIN, GRANT or SWITCH"
         }
     );
     assert_aborted_with(&mut core, &err);
@@ -1192,7 +1248,14 @@ fn bad_imm_fin_with_payload_bits() {
 #[test]
 fn data_crossing_the_ring_end() {
     let mut core = lone(100, 8);
-    assert_eq!(core.on_recv(60), Ok(RecvEvent::Data { offset: 0, len: 60 }));
+    assert_eq!(
+        core.on_recv(60),
+        Ok(RecvEvent::Data {
+            ring: 0,
+            offset: 0,
+            len: 60
+        })
+    );
     core.consume(60);
     let err = core.on_recv(41).unwrap_err();
     assert_eq!(
@@ -1219,10 +1282,18 @@ fn data_crossing_the_ring_end() {
 #[test]
 fn data_beyond_byte_credit() {
     let mut core = lone(100, 8);
-    assert_eq!(core.on_recv(50), Ok(RecvEvent::Data { offset: 0, len: 50 }));
     assert_eq!(
         core.on_recv(50),
         Ok(RecvEvent::Data {
+            ring: 0,
+            offset: 0,
+            len: 50
+        })
+    );
+    assert_eq!(
+        core.on_recv(50),
+        Ok(RecvEvent::Data {
+            ring: 0,
             offset: 50,
             len: 50
         })
@@ -1242,7 +1313,14 @@ fn data_beyond_byte_credit() {
         Imm::decode(t.kind.imm()),
         Ok(Imm::Credit { wrs: 2, bytes: 30 })
     );
-    assert_eq!(core.on_recv(30), Ok(RecvEvent::Data { offset: 0, len: 30 }));
+    assert_eq!(
+        core.on_recv(30),
+        Ok(RecvEvent::Data {
+            ring: 0,
+            offset: 0,
+            len: 30
+        })
+    );
     assert_eq!(core.readable(), [30..100, 0..30]);
     assert_eq!(
         core.on_recv(1),
@@ -1254,7 +1332,14 @@ fn data_beyond_byte_credit() {
 fn more_messages_than_receive_wrs() {
     let mut core = lone(1000, 4);
     for i in 0..4 {
-        assert_eq!(core.on_recv(1), Ok(RecvEvent::Data { offset: i, len: 1 }));
+        assert_eq!(
+            core.on_recv(1),
+            Ok(RecvEvent::Data {
+                ring: 0,
+                offset: i,
+                len: 1
+            })
+        );
     }
     let err = core.on_recv(1).unwrap_err();
     assert_eq!(
@@ -1403,7 +1488,23 @@ fn completion_of_unknown_wr_id() {
 fn invalid_params_name_the_field() {
     let good = params(Cfg::default(), Cfg::default());
     assert!(StreamCore::new(good).is_ok());
-    let cases: [(&str, u64, StreamParams); 12] = [
+    let cases: [(&str, u64, StreamParams); 14] = [
+        (
+            "max_ring_len",
+            100,
+            StreamParams {
+                max_ring_len: 100,
+                ..good
+            },
+        ),
+        (
+            "max_ring_len",
+            1 << 31,
+            StreamParams {
+                max_ring_len: 1 << 31,
+                ..good
+            },
+        ),
         (
             "send_buf_len",
             0,
@@ -1512,6 +1613,7 @@ fn invalid_params_name_the_field() {
     let edge = StreamParams {
         send_buf_len: 1,
         ring_len: 1 << 30,
+        max_ring_len: 1 << 30,
         recv_depth: 4,
         peer_ring_len: 1,
         peer_recv_depth: 1023,
@@ -1542,12 +1644,23 @@ impl Pair {
                     bytes_back += u64::from(bytes);
                 }
             }
+            // Byte credit is counted for the peer ring the sender writes
+            // now (generation g); the receiver's share is in that ring
+            // only once the SWITCH reached it.
+            let g = src.core.peer_ring_generation();
+            let (ring_gen, unread_now, abandoned) = dst.core.growth_view();
+            let (ring_len, unread, owed) = if ring_gen == g {
+                (p.ring_len, unread_now, bytes_owed + abandoned)
+            } else {
+                assert_eq!(ring_gen + 1, g, "side {from} writes a ring not offered");
+                (p.ring_len * 2, 0, 0)
+            };
             let data_in_flight: u64 = src
                 .wire
                 .iter()
                 .map(|w| match w.t.kind {
-                    TransmitKind::Data { len, .. } => u64::from(len),
-                    TransmitKind::Control { .. } => 0,
+                    TransmitKind::Data { ring, len, .. } if ring == g => u64::from(len),
+                    _ => 0,
                 })
                 .sum();
             assert_eq!(
@@ -1561,10 +1674,10 @@ impl Pair {
             assert_eq!(
                 u64::from(src.core.peer_bytes_credit())
                     + data_in_flight
-                    + dst.core.readable_len() as u64
-                    + u64::from(bytes_owed)
+                    + u64::from(unread)
+                    + u64::from(owed)
                     + bytes_back,
-                u64::from(p.ring_len),
+                u64::from(ring_len),
                 "byte credit of side {from}"
             );
         }
@@ -1576,7 +1689,7 @@ impl Pair {
         for side in [A, B] {
             let me = &self.s[side];
             assert_eq!(
-                me.live.iter().filter(|l| **l).count(),
+                me.live.iter().flatten().filter(|l| **l).count(),
                 me.core.readable_len(),
                 "unread bytes of side {side}"
             );
@@ -1627,6 +1740,8 @@ fn random_cfg(rng: &mut Rng) -> Cfg {
         inline_threshold: rng.range(0, 64) as u32,
         signal_interval: rng.range(1, 8) as u16,
         max_write_len: rng.range(1, 3000) as u32,
+        // A third of the rings may double twice.
+        max_ring_len: rng.range(0, 3) as u32 * 10_000,
     }
 }
 
@@ -1720,11 +1835,23 @@ fn random_schedules_deliver_every_byte_once_in_order() {
             totals.credit_stalls += s.credit_stalls;
             totals.send_queue_stalls += s.send_queue_stalls;
             totals.credits_sent += s.credits_sent;
+            totals.rings_grown += s.rings_grown;
+            totals.peer_rings_grown += s.peer_rings_grown;
+            // Every offer the peer took was switched to, but the last one
+            // when the peer's FIN went before its SWITCH.
+            let taken = pair.s[1 - side].core.stats().peer_rings_grown;
+            assert!(
+                s.rings_grown == taken || s.rings_grown + 1 == taken,
+                "seed {seed}: grown {} taken {taken}",
+                s.rings_grown
+            );
         }
     }
-    // The schedules do exercise the stalls they are meant to.
+    // The schedules do exercise the stalls they are meant to, and grow
+    // rings (both doublings included).
     assert!(totals.credit_stalls > 1000, "{totals:?}");
     assert!(totals.send_queue_stalls > 100, "{totals:?}");
+    assert!(totals.rings_grown > 100, "{totals:?}");
 }
 
 #[test]
@@ -1823,6 +1950,7 @@ const TINY: Cfg = Cfg {
     inline_threshold: 1,
     signal_interval: 2,
     max_write_len: 2,
+    max_ring_len: 0,
 };
 
 /// Ring of 1 byte: every byte is its own WR and returns its own CREDIT.
@@ -1841,6 +1969,7 @@ fn exhaustive_small_configurations_never_deadlock() {
         signal_interval: 1,
         ..TINY
     };
+
     let cases = [
         (TINY, TINY, [1, 1], 49_992),
         (ONE, TINY, [0, 3], 19_682),
@@ -1881,7 +2010,7 @@ fn exhaustive_larger_configurations_never_deadlock() {
 /// rejects or ignores nothing silently.
 #[test]
 fn arbitrary_immediates_are_accepted_or_rejected_with_the_right_abort() {
-    let mut rejected_by_kind = [0u32; 11];
+    let mut rejected_by_kind = [0u32; 12];
     for seed in 1..=2000 {
         let mut rng = Rng::new(seed);
         let ring_len = rng.range(1, 300) as u32;
@@ -1941,4 +2070,157 @@ fn arbitrary_immediates_are_accepted_or_rejected_with_the_right_abort() {
             "no error with abort code {code}: {rejected_by_kind:?}"
         );
     }
+}
+
+// ----- ring growth ---------------------------------------------------------------
+
+#[test]
+fn a_ring_that_fills_and_empties_doubles_up_to_its_max() {
+    let b = Cfg {
+        ring_len: 100,
+        max_ring_len: 400,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::new(Cfg::default(), b);
+    let mut lens = Vec::new();
+    for round in 0..12 {
+        // Each write fills B's ring; B's reader empties it.
+        let len = pair.s[B].core.params().ring_len as usize;
+        assert_eq!(pair.s[A].write(len), len, "round {round}");
+        pair.drive();
+        lens.push(pair.s[B].core.params().ring_len);
+    }
+    // Four fill cycles per doubling; then the max holds.
+    assert_eq!(
+        lens,
+        [100, 100, 100, 200, 200, 200, 200, 400, 400, 400, 400, 400]
+    );
+    assert_eq!(pair.s[B].core.stats().rings_grown, 2);
+    assert_eq!(pair.s[A].core.stats().peer_rings_grown, 2);
+    assert_eq!(pair.s[A].core.params().peer_ring_len, 400);
+    assert_eq!(pair.s[B].core.ring_generation(), 2);
+    assert_eq!(pair.s[B].core.oldest_ring(), 2);
+    let grants: Vec<Imm> = pair
+        .controls(B)
+        .into_iter()
+        .filter(|c| matches!(c, Imm::Grant { .. }))
+        .collect();
+    let chunks = |g| crate::proto::imm::grant_chunks(fake_ring(B, g).0, fake_ring(B, g).1);
+    let expected: Vec<Imm> = [chunks(1), chunks(2)]
+        .iter()
+        .flat_map(|c| {
+            (0..4).map(|i| Imm::Grant {
+                index: i as u8,
+                bits: c[i],
+            })
+        })
+        .collect();
+    assert_eq!(grants, expected);
+    let switches = pair
+        .controls(A)
+        .into_iter()
+        .filter(|c| *c == Imm::Switch)
+        .count();
+    assert_eq!(switches, 2);
+    let offers: Vec<RecvEvent> = pair.s[A]
+        .events
+        .iter()
+        .copied()
+        .filter(|e| matches!(e, RecvEvent::Grant { .. }))
+        .collect();
+    assert_eq!(
+        offers,
+        [
+            RecvEvent::Grant {
+                addr: fake_ring(B, 1).0,
+                rkey: fake_ring(B, 1).1,
+                len: 200
+            },
+            RecvEvent::Grant {
+                addr: fake_ring(B, 2).0,
+                rkey: fake_ring(B, 2).1,
+                len: 400
+            },
+        ]
+    );
+    // Every byte arrived once, in order (checked by read_some), and the
+    // new rings' data landed at their start.
+    assert_eq!(pair.s[B].read, pair.s[A].written);
+    assert_eq!(pair.s[A].written, 100 * 4 + 200 * 4 + 400 * 4);
+    pair.s[A].core.shutdown();
+    pair.s[B].core.shutdown();
+    pair.drive();
+    pair.assert_done();
+}
+
+#[test]
+fn bytes_left_in_the_old_ring_are_read_before_the_new_rings() {
+    let b = Cfg {
+        ring_len: 100,
+        max_ring_len: 200,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::new(Cfg::default(), b);
+    for _ in 0..3 {
+        pair.s[A].write(100);
+        pair.drive();
+    }
+    // The fourth fill: B reads only part of it, so no offer yet.
+    pair.s[B].reading = false;
+    pair.s[A].write(100);
+    pair.drive();
+    assert_eq!(pair.s[B].read_some(100), 100);
+    assert_eq!(pair.s[B].core.ring_wanted(), Some(200));
+    // The offer goes out and is taken; B's reader pauses while A writes
+    // into the old ring's freed space and, after the SWITCH, the new one.
+    pair.s[A].write(150);
+    pair.drive();
+    assert_eq!(pair.s[B].core.ring_generation(), 1);
+    assert_eq!(pair.s[B].core.readable_len(), 150);
+    assert_eq!(pair.s[B].core.readable_generation(), 1);
+    assert_eq!(pair.s[B].core.oldest_ring(), 1);
+    assert_eq!(pair.s[B].read_some(150), 150);
+    assert_eq!(pair.s[B].read, pair.s[A].written);
+}
+
+#[test]
+fn ring_growth_out_of_turn_is_a_protocol_error() {
+    let chunk = |index: u8| Imm::Grant { index, bits: 7 }.encode();
+    let cases: [(&[u32], &str); 3] = [
+        (&[Imm::Switch.encode()], "SWITCH without a ring offer"),
+        (&[chunk(0), chunk(2)], "GRANT chunk out of order"),
+        (
+            &[chunk(0), chunk(1), chunk(2), chunk(3), chunk(0)],
+            "a new ring offer before the last one was taken",
+        ),
+    ];
+    for (imms, reason) in cases {
+        let mut core = lone(100, 8);
+        let (last, first) = imms.split_last().unwrap();
+        for imm in first {
+            assert!(core.on_recv(*imm).is_ok(), "{reason}");
+        }
+        let err = core.on_recv(*last).unwrap_err();
+        assert_eq!(err, ProtocolError::RingGrowth { reason }, "{reason}");
+        assert_eq!(err.abort_code(), 11);
+        assert_aborted_with(&mut core, &err);
+    }
+    // An offer would double a peer ring of 2^30 bytes, the largest.
+    let peer = Cfg {
+        ring_len: 1 << 30,
+        ..Cfg::default()
+    };
+    let mut core = StreamCore::new(params(Cfg::default(), peer)).unwrap();
+    for index in 0..3 {
+        assert_eq!(
+            core.on_recv(chunk(index)),
+            Ok(RecvEvent::GrantChunk { index })
+        );
+    }
+    assert_eq!(
+        core.on_recv(chunk(3)),
+        Err(ProtocolError::RingGrowth {
+            reason: "a ring offer beyond the largest ring (2^30 bytes)"
+        })
+    );
 }

@@ -30,8 +30,8 @@ use crate::proto::stream::{RecvEvent, StreamCore, Transmit, TransmitKind};
 use crate::proto::{ProtocolError, WriteError};
 use crate::stats::{ConnectionStats, RemoteAccess};
 use crate::verbs::rc::{
-    Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RcQueuePair, RegisteredBuffer,
-    RingIsolation, WcKind,
+    Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RING_BIND_WR_ID, RcQueuePair,
+    RegisteredBuffer, RingIsolation, WcKind,
 };
 
 /// `ibv_wc_status` values the stream distinguishes.
@@ -51,8 +51,12 @@ pub(crate) struct StreamState {
     /// Bytes already moved out of the ring, oldest first.
     backlog: VecDeque<Bytes>,
     backlog_len: usize,
-    /// Arrived ring segments (offset, len) not yet moved or read, in order.
-    ring_pending: VecDeque<(u32, u32)>,
+    /// Arrived ring segments (ring generation, offset, len) not yet moved
+    /// or read, in order.
+    ring_pending: VecDeque<(u32, u32, u32)>,
+    /// Registering or opening a grown ring failed once: the ring stays as
+    /// it is for the rest of the connection.
+    growth_refused: bool,
     recv_buffer_limit: usize,
     /// The driver may move arrived bytes out of the ring into the backlog.
     /// A read that left bytes in the ring clears it: the reader is at work
@@ -91,8 +95,16 @@ impl StreamState {
         self.error.clone().map(io::Error::from)
     }
 
-    /// Posts every work request the core has ready.
+    /// Posts every work request the core has ready, after freeing the
+    /// rings the core no longer uses and offering a larger one when the
+    /// core wants it (its GRANT goes out in this same call).
     fn transmit(&mut self) {
+        self.qp.retire_rings_before(self.core.oldest_ring());
+        if !self.growth_refused {
+            if let Some(len) = self.core.ring_wanted() {
+                self.grow_ring(len);
+            }
+        }
         while let Some(t) = self.core.poll_transmit() {
             if let Err(e) = self.post(&t) {
                 self.fail(e);
@@ -101,9 +113,30 @@ impl StreamState {
         }
     }
 
+    /// Registers and opens a receive ring of `len` bytes and offers it to
+    /// the peer. A failure (no memory to pin, no window left) is no
+    /// connection error: the ring stays as it is.
+    fn grow_ring(&mut self, len: u32) {
+        let generation = self.core.ring_generation() + 1;
+        match self.qp.add_ring(generation, len as usize) {
+            Ok((addr, rkey)) => {
+                self.core.offer_ring(addr, rkey);
+                debug!(
+                    bytes = len,
+                    generation, "offering the peer a larger receive ring"
+                );
+            }
+            Err(e) => {
+                self.growth_refused = true;
+                warn!(error = %e, bytes = len, "could not register a larger receive ring; keeping the current one");
+            }
+        }
+    }
+
     fn post(&mut self, t: &Transmit) -> Result<()> {
         let (local_offset, len, remote_offset, imm, inline) = match t.kind {
             TransmitKind::Data {
+                ring: _,
                 local_offset,
                 len,
                 remote_offset,
@@ -136,20 +169,21 @@ impl StreamState {
     /// returning their ring space (and so credit) to the peer.
     fn drain_ring(&mut self) {
         while self.backlog_len < self.recv_buffer_limit {
-            let Some((off, len)) = self.ring_pending.pop_front() else {
+            let Some((ring, off, len)) = self.ring_pending.pop_front() else {
                 break;
             };
-            let buf =
-                match recv_ring(&self.qp).and_then(|r| r.read_to_vec(off as usize, len as usize)) {
-                    Ok(buf) => buf,
-                    Err(source) => {
-                        self.fail(Error::Verbs {
-                            op: "receive ring copy",
-                            source,
-                        });
-                        return;
-                    }
-                };
+            let buf = match recv_ring(&self.qp, ring)
+                .and_then(|r| r.read_to_vec(off as usize, len as usize))
+            {
+                Ok(buf) => buf,
+                Err(source) => {
+                    self.fail(Error::Verbs {
+                        op: "receive ring copy",
+                        source,
+                    });
+                    return;
+                }
+            };
             self.core.consume(len as usize);
             self.stats.bytes_buffered += u64::from(len);
             self.backlog_len += len as usize;
@@ -172,6 +206,7 @@ impl StreamState {
             self.core.on_connection_lost();
             let op = match wc.kind {
                 _ if wc.wr_id == PROBE_WR_ID => "keepalive probe (zero-length RDMA WRITE)",
+                _ if wc.wr_id == RING_BIND_WR_ID => "BIND_MW (grown receive ring)",
                 WcKind::RecvImm | WcKind::Recv => "receive",
                 _ => "RDMA WRITE WITH IMM",
             };
@@ -192,11 +227,20 @@ impl StreamState {
             WcKind::RecvImm => {
                 self.stats.wrs_received += 1;
                 match self.core.on_recv(wc.imm) {
-                    Ok(RecvEvent::Data { offset, len }) => {
+                    Ok(RecvEvent::Data { ring, offset, len }) => {
                         self.stats.bytes_received += u64::from(len);
-                        self.ring_pending.push_back((offset, len));
+                        self.ring_pending.push_back((ring, offset, len));
                         self.readers.wake_all();
                     }
+                    Ok(RecvEvent::Grant { addr, rkey, len }) => {
+                        // Every DATA WR from now on writes the new ring,
+                        // with fresh byte credit.
+                        self.peer_ring_addr = addr;
+                        self.peer_rkey = rkey;
+                        debug!(bytes = len, "the peer offered a larger receive ring");
+                        self.writers.wake_all();
+                    }
+                    Ok(RecvEvent::GrantChunk { .. } | RecvEvent::Switch) => {}
                     Ok(RecvEvent::Fin) => self.readers.wake_all(),
                     Ok(RecvEvent::Abort { code }) => {
                         self.fail(Error::PeerAborted {
@@ -466,13 +510,13 @@ impl Conn {
                 copied += n;
                 continue;
             }
-            let Some(&(off, len)) = st.ring_pending.front() else {
+            let Some(&(ring, off, len)) = st.ring_pending.front() else {
                 break;
             };
             let n = (len as usize).min(buf.remaining());
             let dst = buf.initialize_unfilled_to(n);
             if let Err(source) =
-                recv_ring(&st.qp).and_then(|r| r.read_at(off as usize, &mut dst[..n]))
+                recv_ring(&st.qp, ring).and_then(|r| r.read_at(off as usize, &mut dst[..n]))
             {
                 return Poll::Ready(Err(Error::Verbs {
                     op: "receive ring copy",
@@ -485,7 +529,7 @@ impl Conn {
             if n == len as usize {
                 st.ring_pending.pop_front();
             } else if let Some(front) = st.ring_pending.front_mut() {
-                *front = (off + n as u32, len - n as u32);
+                *front = (ring, off + n as u32, len - n as u32);
             }
             copied += n;
         }
@@ -646,11 +690,16 @@ impl Conn {
         Poll::Ready(Ok(()))
     }
 
-    /// The receive ring's address and the key announced for it (test hook).
+    /// The address of the receive ring the peer writes now and the key
+    /// announced for it (test hook).
     #[cfg(tokio_rdma_guest)]
     pub(crate) fn ring_key(&self) -> (u64, u32) {
         let st = self.lock();
-        (st.qp.recv_ring().map_or(0, |r| r.addr()), st.qp.ring_rkey())
+        let generation = st.core.ring_generation();
+        (
+            st.qp.ring(generation).map_or(0, |r| r.addr()),
+            st.qp.ring_rkey_of(generation),
+        )
     }
 
     /// Posts an RDMA WRITE WITH IMM of `len` bytes of the send buffer to
@@ -673,6 +722,8 @@ impl Conn {
             _ => RemoteAccess::MemoryWindow,
         };
         s.registered_bytes = st.qp.registered_bytes() as u64;
+        s.ring_size = st.core.params().ring_len;
+        s.rings_grown = st.core.stats().rings_grown;
         s.spin_hits = st.spin.spin_hits;
         s.read_parks = st.spin.parks;
         s.spin_limit_us = st.spin.limit_us();
@@ -682,10 +733,13 @@ impl Conn {
     }
 }
 
-/// A stream QP's receive ring (every stream QP has one).
-fn recv_ring(qp: &RcQueuePair) -> std::io::Result<&RegisteredBuffer> {
-    qp.recv_ring()
-        .ok_or_else(|| std::io::Error::other("a stream QP without its ring"))
+/// Receive ring `generation` of a stream QP (held while bytes in it wait).
+fn recv_ring(qp: &RcQueuePair, generation: u32) -> std::io::Result<&RegisteredBuffer> {
+    qp.ring(generation).ok_or_else(|| {
+        std::io::Error::other(format!(
+            "a stream QP without its receive ring of generation {generation}"
+        ))
+    })
 }
 
 /// Our half of the handshake for a stream QP.
@@ -724,6 +778,7 @@ pub(crate) fn start(
         backlog: VecDeque::new(),
         backlog_len: 0,
         ring_pending: VecDeque::new(),
+        growth_refused: false,
         recv_buffer_limit: cfg.recv_buffer_limit,
         driver_drains: true,
         left_in_ring: false,

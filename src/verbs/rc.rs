@@ -543,8 +543,15 @@ pub(crate) struct RcQueuePair {
     send_buf: Option<RegisteredBuffer>,
     send_buf_len: usize,
     send_buf_on_demand: bool,
-    /// `None` for a QP without a ring (a message endpoint's).
+    /// `None` for a QP without a ring (a message endpoint's), and once the
+    /// ring of the handshake (generation 0) was retired after a growth.
     recv_ring: Option<RegisteredBuffer>,
+    /// Receive rings registered after the handshake (a stream's grown
+    /// rings), oldest first; their windows are dropped in Drop before the
+    /// QP.
+    grown_rings: Vec<GrownRing>,
+    /// The oldest ring generation still held.
+    ring_base: u32,
     cq: QpCq,
     events: Arc<CqEvents>,
     /// A keepalive probe was posted and its completion not polled yet.
@@ -558,6 +565,19 @@ pub(crate) struct RcQueuePair {
     /// QP and (with a PD of its own) the PD.
     _counted: Vec<Counted>,
 }
+
+/// A receive ring registered after the handshake: generation `generation`
+/// of a stream whose ring grew ([`RcQueuePair::add_ring`]).
+struct GrownRing {
+    generation: u32,
+    /// Opens `buf` to the peer on this QP; dropped (deallocated, so its key
+    /// dies) before `buf` is deregistered (field order).
+    window: Option<MemoryWindow>,
+    buf: RegisteredBuffer,
+}
+
+/// The wr_id of a grown ring's window bind ([`RcQueuePair::add_ring`]).
+pub(crate) const RING_BIND_WR_ID: u64 = MW_WR_FLAG | 2;
 
 /// How a stream's receive ring is opened to the peer: never by a key that
 /// any other connection's QP could use.
@@ -690,6 +710,8 @@ impl RcQueuePair {
             send_buf_len: sizes.send_buf,
             send_buf_on_demand,
             recv_ring,
+            grown_rings: Vec::new(),
+            ring_base: 0,
             cq,
             events: Arc::new(events),
             probe_outstanding: false,
@@ -736,6 +758,7 @@ impl RcQueuePair {
     /// buffer while held.
     pub(crate) fn registered_bytes(&self) -> usize {
         self.recv_ring.as_ref().map_or(0, RegisteredBuffer::len)
+            + self.grown_rings.iter().map(|r| r.buf.len()).sum::<usize>()
             + self.send_buf.as_ref().map_or(0, RegisteredBuffer::len)
     }
 
@@ -753,6 +776,115 @@ impl RcQueuePair {
     /// has none).
     pub(crate) fn recv_ring(&self) -> Option<&RegisteredBuffer> {
         self.recv_ring.as_ref()
+    }
+
+    /// The receive ring of `generation` (0: the handshake's; later ones
+    /// from [`add_ring`](Self::add_ring)), while it is held.
+    pub(crate) fn ring(&self, generation: u32) -> Option<&RegisteredBuffer> {
+        if generation == 0 {
+            return self.recv_ring.as_ref();
+        }
+        self.grown_rings
+            .iter()
+            .find(|r| r.generation == generation)
+            .map(|r| &r.buf)
+    }
+
+    /// The key the peer writes ring `generation` with (0 once it is
+    /// retired).
+    pub(crate) fn ring_rkey_of(&self, generation: u32) -> u32 {
+        if generation == 0 {
+            return if self.recv_ring.is_some() {
+                self.ring_rkey()
+            } else {
+                0
+            };
+        }
+        self.grown_rings
+            .iter()
+            .find(|r| r.generation == generation)
+            .map_or(0, |r| {
+                r.window.as_ref().map_or(r.buf.rkey(), MemoryWindow::rkey)
+            })
+    }
+
+    /// Registers receive ring `generation` of `len` bytes and opens it to
+    /// the peer as the first ring is: a type-2 window bound on this QP
+    /// with REMOTE_WRITE over exactly the ring (the bind is posted, signaled,
+    /// on the send queue, where it executes before any WR posted after it:
+    /// the peer learns the key only from WRs posted later, see
+    /// `StreamCore::offer_ring`), or, on a device without windows, the
+    /// MR's own key on this QP's own PD. Returns the ring's address and
+    /// key. Uses the send-queue slot `RdmaConfig::stream_sizes` keeps for
+    /// it.
+    ///
+    /// # Errors
+    /// [`Error::ResourceLimit`] at RLIMIT_MEMLOCK or the device's
+    /// `max_mr`/`max_mw`, [`Error::Verbs`] if registering, allocating the
+    /// window or posting the bind fails, [`Error::Internal`] on a QP
+    /// without a ring. Nothing is held after an error.
+    pub(crate) fn add_ring(&mut self, generation: u32, len: usize) -> Result<(u64, u32)> {
+        let access = match self.ring_isolation {
+            RingIsolation::NoRing => {
+                return Err(Error::Internal(
+                    "a ring growth on a QP without a ring".into(),
+                ));
+            }
+            RingIsolation::Window => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
+            RingIsolation::OwnPd => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+        };
+        let buf = RegisteredBuffer::new(&self._pd, len, access, &self.device.limits)?;
+        let (window, rkey) = match self.ring_isolation {
+            RingIsolation::Window => {
+                let mut window = MemoryWindow::alloc(&self.device)?;
+                let target = BindTarget {
+                    mr: buf.raw_mr() as usize,
+                    addr: buf.addr(),
+                    len: buf.len() as u64,
+                };
+                // SAFETY: `buf` is registered with MW_BIND and LOCAL_WRITE
+                // on this QP's PD and covers the target; it is kept in
+                // `grown_rings` with the window, which is dropped (and so
+                // invalidated) before `buf` in every path (field order,
+                // Drop, retire_rings_before), so the window never outlives
+                // the memory it opens. On an error both are dropped here,
+                // window first.
+                let rkey = unsafe {
+                    self.post_bind_mw(
+                        RING_BIND_WR_ID,
+                        &mut window,
+                        target,
+                        WindowAccess::RemoteWrite,
+                        true,
+                    )
+                }?;
+                (Some(window), rkey)
+            }
+            _ => (None, buf.rkey()),
+        };
+        let addr = buf.addr();
+        self.grown_rings.push(GrownRing {
+            generation,
+            window,
+            buf,
+        });
+        Ok((addr, rkey))
+    }
+
+    /// Frees the receive rings of generations below `generation` (their
+    /// windows first, so their keys die before the memory is
+    /// deregistered). The peer no longer writes them and nothing is left
+    /// to read in them (`StreamCore::oldest_ring`).
+    pub(crate) fn retire_rings_before(&mut self, generation: u32) {
+        if generation <= self.ring_base {
+            return;
+        }
+        self.ring_base = generation;
+        if generation > 0 {
+            drop(self.ring_window.take());
+            drop(self.recv_ring.take());
+        }
+        self.grown_rings.retain(|r| r.generation >= generation);
     }
 
     /// The key the peer writes the ring with: the window's key once
@@ -1226,8 +1358,11 @@ impl AsMut<RcQueuePair> for RcQueuePair {
 
 impl Drop for RcQueuePair {
     fn drop(&mut self) {
-        // The window before the QP it is bound to.
+        // The windows before the QP they are bound to.
         drop(self.ring_window.take());
+        for ring in &mut self.grown_rings {
+            drop(ring.window.take());
+        }
         // Only once the QP is destroyed (no completion of it can come any
         // more) is a shared CQ polled a last time and the route removed.
         let qp = &mut self.qp;
