@@ -182,6 +182,10 @@ enum Cmd {
         /// RdmaConfig::ring_size, bytes.
         #[arg(long, default_value_t = 65536)]
         ring_size: u32,
+        /// RdmaConfig::max_ring_size, bytes: the ring grows up to it under
+        /// bulk (`--ring-size` or less: it never grows).
+        #[arg(long, default_value_t = tokio_rdma::config::DEFAULT_MAX_RING_SIZE)]
+        max_ring_size: u32,
         /// RdmaConfig::share_completion_queue (streams).
         #[arg(long)]
         share_cq: bool,
@@ -219,6 +223,10 @@ enum Cmd {
         /// RdmaConfig::ring_size, bytes.
         #[arg(long, default_value_t = 65536)]
         ring_size: u32,
+        /// RdmaConfig::max_ring_size, bytes: the ring grows up to it under
+        /// bulk (`--ring-size` or less: it never grows).
+        #[arg(long, default_value_t = tokio_rdma::config::DEFAULT_MAX_RING_SIZE)]
+        max_ring_size: u32,
         /// RdmaConfig::share_completion_queue (streams).
         #[arg(long)]
         share_cq: bool,
@@ -314,10 +322,11 @@ impl std::str::FromStr for Wait {
     }
 }
 
-fn config(wait: Wait, ring_size: u32, share_cq: bool) -> RdmaConfig {
+fn config(wait: Wait, ring_size: u32, max_ring_size: u32, share_cq: bool) -> RdmaConfig {
     RdmaConfig::new()
         .wait_strategy(wait.0)
         .ring_size(ring_size)
+        .max_ring_size(max_ring_size)
         .share_completion_queue(share_cq)
 }
 
@@ -569,13 +578,14 @@ fn main() -> std::process::ExitCode {
             runtime: flavor,
             wait,
             ring_size,
+            max_ring_size,
             share_cq,
             message,
             sink,
             stats,
         } => {
             let rt = runtime(flavor);
-            let cfg = config(wait, ring_size, share_cq);
+            let cfg = config(wait, ring_size, max_ring_size, share_cq);
             let served = if message {
                 rt.block_on(serve_messages(addr, cfg))
             } else {
@@ -595,12 +605,13 @@ fn main() -> std::process::ExitCode {
             runtime: flavor,
             wait,
             ring_size,
+            max_ring_size,
             share_cq,
             message,
             one_way,
             stats,
         } => {
-            let cfg = config(wait, ring_size, share_cq);
+            let cfg = config(wait, ring_size, max_ring_size, share_cq);
             let rt = runtime(flavor);
             let run = if message {
                 rt.block_on(closed_loop_messages(

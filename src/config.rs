@@ -310,8 +310,8 @@ impl RdmaConfig {
     ///
     /// A ring starts at `ring_size` and doubles, while the double is at
     /// most this, after the peer's writer filled it to within a quarter
-    /// and the reader emptied it again four times
-    /// ([`GROW_AFTER_FILLS`](crate::proto::stream::GROW_AFTER_FILLS)): the
+    /// and the reader emptied it again four times (the protocol core's
+    /// `GROW_AFTER_FILLS`): the
     /// reader keeps up and byte credit holds the writer back, so more bytes
     /// in flight buy throughput. Idle and request/response connections with
     /// small messages never fill the ring and keep `ring_size`. Like TCP's

@@ -76,6 +76,36 @@
 //!
 //! The tests in `src/proto/tests.rs` check this exhaustively on small
 //! configurations and on many random schedules.
+//!
+//! # Ring growth (protocol version 6)
+//!
+//! A receiver R whose ring filled to within a quarter and was then emptied
+//! by its reader [`GROW_AFTER_FILLS`] times asks its runtime for a ring
+//! twice as large ([`StreamCore::ring_wanted`], bounded by
+//! `max_ring_len`), and [`StreamCore::offer_ring`] sends its address and
+//! key in four GRANT chunks ([`Imm::Grant`]). The sender S takes the offer
+//! when the last chunk arrives: its byte credit becomes the new ring's
+//! length, its writes start at offset 0 of the new ring, and it sends
+//! SWITCH before the first of them.
+//!
+//! - *No byte is overwritten or credited twice.* R stops returning bytes of
+//!   the current ring the moment the last chunk is posted (they are
+//!   *abandoned*), so every CREDIT S receives after the offer counts bytes of
+//!   the new ring only; CREDITs R posted before it precede it on the wire and
+//!   apply to the old ring. S writes the old ring only within the credit it
+//!   had before the offer arrived, which never covered unread bytes.
+//! - *R knows where each DATA lies.* RC delivers in order: DATA before S's
+//!   SWITCH lands in the old ring, DATA after it in the new ring at offset
+//!   0 ([`RecvEvent::Data`]'s `ring`). Bytes left in the old ring are read
+//!   first; once they are read and SWITCH has arrived, S can no longer write
+//!   there and [`StreamCore::oldest_ring`] lets the runtime free it. One
+//!   offer is outstanding at a time and none while an old ring is read out.
+//! - *No deadlock.* GRANT chunks and SWITCH use WR credit as DATA does (above
+//!   [`CONTROL_RESERVE`]), a finite number of times, so arguments 1-4 above
+//!   hold as for DATA; a sender blocked on byte credit of the old ring gets
+//!   the new ring's credit with the offer, which R has posted whole before it
+//!   stopped returning bytes. A SWITCH not yet sent when S sends its FIN is
+//!   dropped (no DATA follows); R then keeps reading its current ring.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -1065,8 +1095,10 @@ impl StreamCore {
                 self.stats.bytes_received += u64::from(len);
                 // Within a quarter of full: the writer is held back.
                 let filled = u64::from(self.ring_free()) * 4 <= u64::from(self.p.ring_len);
-                if let Growth::Watching { nearly_full, .. } = &mut self.growth {
-                    *nearly_full |= filled;
+                if self.may_grow() {
+                    if let Growth::Watching { nearly_full, .. } = &mut self.growth {
+                        *nearly_full |= filled;
+                    }
                 }
                 RecvEvent::Data {
                     ring: self.ring_gen,
@@ -1139,6 +1171,12 @@ impl StreamCore {
         })
     }
 
+    /// Whether the local ring may still double within `max_ring_len`
+    /// (fill cycles are counted only then).
+    fn may_grow(&self) -> bool {
+        self.p.ring_len <= self.p.max_ring_len / 2
+    }
+
     /// Ring bytes of the current local ring the peer may still write:
     /// neither unread nor consumed-and-unreturned.
     fn ring_free(&self) -> u32 {
@@ -1161,6 +1199,7 @@ impl StreamCore {
             return None;
         };
         if fills < GROW_AFTER_FILLS
+            || !self.may_grow()
             || self.fin_received
             || self.old_ring.is_some()
             || self.is_aborted()
@@ -1168,9 +1207,8 @@ impl StreamCore {
         {
             return None;
         }
-        // ring_len <= 2^30: the double fits.
-        let next = self.p.ring_len * 2;
-        (next <= self.p.max_ring_len).then_some(next)
+        // ring_len <= 2^30: the double fits, and may_grow bounds it.
+        Some(self.p.ring_len * 2)
     }
 
     /// Offers the peer a new receive ring of
