@@ -16,7 +16,9 @@
 //! `--one-way` (with a `--sink` server) is bulk the way `ib_write_bw`
 //! runs it: the client writes, the server reads and drops, and the suite
 //! prints MB/s and the CPU time of both processes per 10^6 bytes beside
-//! `ib_write_bw -s 65536`, for the default ring and a 256 KiB one.
+//! `ib_write_bw -s 65536`, for the default ring (which grows up to
+//! `max_ring_size`, 256 KiB), the same ring without growth
+//! (`--max-ring-size 65536`) and a ring of 256 KiB from the start.
 //!
 //! Addresses go through the transport switch, so `tcp://` runs the same
 //! workload over the kernel's TCP. `--message` (server and client) runs it
@@ -673,6 +675,8 @@ struct Case {
     /// The `--wait` value of both processes.
     wait: &'static str,
     ring: u32,
+    /// The `--max-ring-size` of both processes.
+    max_ring: u32,
     /// Over a MessageEndpoint (`--message`, rdma:// only) instead of a stream.
     message: bool,
     /// One-way bulk (`--one-way` client, `--sink` server) instead of an echo.
@@ -861,6 +865,8 @@ async fn run_client(
             c.wait,
             "--ring-size",
             &c.ring.to_string(),
+            "--max-ring-size",
+            &c.max_ring.to_string(),
         ])
         .args(kind_args(c, false))
         .output()
@@ -936,6 +942,8 @@ async fn run_case(
             c.wait,
             "--ring-size",
             &c.ring.to_string(),
+            "--max-ring-size",
+            &c.max_ring.to_string(),
         ])
         .args(kind_args(c, true))
         .stdout(Stdio::piped())
@@ -1011,6 +1019,7 @@ async fn suite(
         runtime,
         wait,
         ring: 65536,
+        max_ring: tokio_rdma::config::DEFAULT_MAX_RING_SIZE,
         message: false,
         one_way: false,
     };
@@ -1261,6 +1270,22 @@ async fn suite(
         let rows = [
             one_way("RdmaStream one way, current_thread", Current, 65536),
             one_way("RdmaStream one way, multi-thread (2)", Multi, 65536),
+            Case {
+                max_ring: 65536,
+                ..one_way(
+                    "RdmaStream one way, current_thread, no growth",
+                    Current,
+                    65536,
+                )
+            },
+            Case {
+                max_ring: 65536,
+                ..one_way(
+                    "RdmaStream one way, multi-thread (2), no growth",
+                    Multi,
+                    65536,
+                )
+            },
             one_way(
                 "RdmaStream one way, current_thread, ring 256 KiB",
                 Current,

@@ -553,6 +553,21 @@ mod tests {
     }
 
     #[test]
+    fn max_ring_size_bounds_growth_and_a_lower_one_turns_it_off() {
+        let p = RdmaConfig::new().stream_params(65536, 128, 64);
+        assert_eq!((p.ring_len, p.max_ring_len), (65536, 262_144));
+        let p = RdmaConfig::new()
+            .ring_size(1 << 20)
+            .stream_params(65536, 128, 64);
+        assert_eq!((p.ring_len, p.max_ring_len), (1 << 20, 1 << 20));
+        let p = RdmaConfig::new()
+            .max_ring_size(65536)
+            .stream_params(65536, 128, 64);
+        assert_eq!((p.ring_len, p.max_ring_len), (65536, 65536));
+        assert_eq!(RdmaConfig::new().stream_sizes().send_depth, 130);
+    }
+
+    #[test]
     fn defaults_are_valid() {
         RdmaConfig::default().validate().unwrap();
         RdmaConfig::new()

@@ -399,8 +399,8 @@ fn hello_bytes(magic: u32, version: u16) -> Vec<u8> {
 }
 
 /// The wire protocol version this build speaks (`proto::handshake::VERSION`,
-/// crate-private): 5 since WRs carry the solicited-event bit.
-const PROTOCOL_VERSION: u16 = 5;
+/// crate-private): 6 since a stream's receive ring can grow.
+const PROTOCOL_VERSION: u16 = 6;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
@@ -917,6 +917,25 @@ async fn killed_peer_wakes_both(port: u16, cfg: &RdmaConfig) {
 
 // ---- Isolation between connections ---------------------------------------
 
+/// Makes `forger` post a 64-byte RDMA WRITE WITH IMM to `addr`/`key` at its
+/// peer and checks that its connection then fails with a remote access
+/// error (REM_ACCESS_ERR, status 10), never data or EOF.
+async fn assert_forged_write_refused(forger: &mut RdmaStream, addr: u64, key: u32) {
+    tokio_rdma::__testing::forge_ring_write(forger, addr, key, 64).unwrap();
+    let mut one = [0u8; 1];
+    let err = tokio::time::timeout(Duration::from_secs(30), forger.read(&mut one))
+        .await
+        .expect("the forger's connection fails")
+        .expect_err("a remote access error, not data or EOF");
+    assert!(
+        matches!(
+            Error::from_io(&err),
+            Some(Error::WorkCompletion { status: 10, .. })
+        ),
+        "REM_ACCESS_ERR expected: {err:?}"
+    );
+}
+
 /// A key learnt (or guessed) for one connection's receive ring is useless
 /// on any other connection: the ring is opened through a memory window
 /// bound to its own QP. A forged RDMA WRITE with another connection's ring
@@ -936,19 +955,7 @@ async fn a_ring_key_is_useless_from_another_connection() {
     );
     let (ring_addr, ring_key) = tokio_rdma::__testing::ring_key(&s2);
     // `a` writes through its own connection (to s1) with s2's ring key.
-    tokio_rdma::__testing::forge_ring_write(&a, ring_addr, ring_key, 64).unwrap();
-    let mut one = [0u8; 1];
-    let err = tokio::time::timeout(Duration::from_secs(30), a.read(&mut one))
-        .await
-        .expect("the forger's connection fails")
-        .expect_err("a remote access error, not data or EOF");
-    assert!(
-        matches!(
-            Error::from_io(&err),
-            Some(Error::WorkCompletion { status: 10, .. })
-        ),
-        "REM_ACCESS_ERR expected: {err:?}"
-    );
+    assert_forged_write_refused(&mut a, ring_addr, ring_key).await;
     // s2's connection is untouched: an echo over it is byte for byte.
     let server = tokio::spawn(echo(s2));
     assert_eq!(
@@ -1333,37 +1340,8 @@ async fn a_grown_rings_keys_open_only_the_current_ring_on_its_own_connection() {
     let (new_addr, new_key) = tokio_rdma::__testing::ring_key(&s);
     assert_ne!((new_addr, new_key), (first_addr, first_key));
     // Another connection with the current ring's key: refused.
-    tokio_rdma::__testing::forge_ring_write(&c2, new_addr, new_key, 64).unwrap();
-    let mut one = [0u8; 1];
-    let err = tokio::time::timeout(Duration::from_secs(30), c2.read(&mut one))
-        .await
-        .expect("the forger's connection fails")
-        .expect_err("a remote access error, not data or EOF");
-    assert!(
-        matches!(
-            Error::from_io(&err),
-            Some(Error::WorkCompletion { status: 10, .. })
-        ),
-        "REM_ACCESS_ERR expected: {err:?}"
-    );
+    assert_forged_write_refused(&mut c2, new_addr, new_key).await;
     // The peer itself, with the first ring's (retired) key: refused too.
-    let c = rd.reunite(wr).unwrap();
-    tokio_rdma::__testing::forge_ring_write(&c, first_addr, first_key, 64).unwrap();
-    let err = tokio::time::timeout(Duration::from_secs(30), rd_read_err(c))
-        .await
-        .expect("the forger's connection fails");
-    assert!(
-        matches!(
-            Error::from_io(&err),
-            Some(Error::WorkCompletion { status: 10, .. })
-        ),
-        "REM_ACCESS_ERR expected: {err:?}"
-    );
-}
-
-async fn rd_read_err(mut c: RdmaStream) -> io::Error {
-    let mut one = [0u8; 1];
-    c.read(&mut one)
-        .await
-        .expect_err("a remote access error, not data or EOF")
+    let mut c = rd.reunite(wr).unwrap();
+    assert_forged_write_refused(&mut c, first_addr, first_key).await;
 }
