@@ -309,9 +309,9 @@ impl RdmaConfig {
     /// 1 GiB; a value at or below `ring_size` turns growth off).
     ///
     /// A ring starts at `ring_size` and doubles, while the double is at
-    /// most this, after the peer's writer filled it to within a quarter
-    /// and the reader emptied it again four times (the protocol core's
-    /// `GROW_AFTER_FILLS`): the
+    /// most this, after the peer's writer filled it to half or more and
+    /// the reader drained it to a quarter again four times (the protocol
+    /// core's `GROW_AFTER_FILLS`): the
     /// reader keeps up and byte credit holds the writer back, so more bytes
     /// in flight buy throughput. Idle and request/response connections with
     /// small messages never fill the ring and keep `ring_size`. Like TCP's
