@@ -1345,3 +1345,95 @@ async fn a_grown_rings_keys_open_only_the_current_ring_on_its_own_connection() {
     let mut c = rd.reunite(wr).unwrap();
     assert_forged_write_refused(&mut c, first_addr, first_key).await;
 }
+
+/// A peer killed while both directions move bulk over grown rings: the
+/// blocked reader and writer both get errors (never EOF or a hang), and
+/// dropping the stream frees its QP and every memory window, the grown
+/// rings' included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_peer_after_growth_wakes_both_sides_and_frees_the_grown_rings() {
+    let windows_before = tokio_rdma::stats::resources().memory_windows;
+    let before = qp_count();
+    let (mut child, mut s) = echo_child(7716, &RdmaConfig::default()).await;
+    let data = pattern_buf(51, 64 * 1024);
+    // Echo bulk both ways until this side's ring grew.
+    let mut echoed = 0u64;
+    while s.stats().rings_grown == 0 && echoed < (256 << 20) {
+        let (mut rd, mut wr) = s.split();
+        let write = async {
+            for _ in 0..64 {
+                wr.write_all(&data).await?;
+            }
+            Ok::<_, io::Error>(())
+        };
+        let read = async {
+            let mut back = vec![0u8; 64 * 1024];
+            for _ in 0..64 {
+                rd.read_exact(&mut back).await?;
+                assert!(back == data, "echoed bytes equal");
+            }
+            Ok::<_, io::Error>(())
+        };
+        let (w, r) = tokio::join!(write, read);
+        w.unwrap();
+        r.unwrap();
+        echoed += 64 * 64 * 1024;
+    }
+    let grown = s.stats();
+    assert_ne!(
+        grown.rings_grown, 0,
+        "no growth after {echoed} bytes echoed"
+    );
+    assert_eq!(
+        u64::from(grown.ring_size),
+        (64 * 1024) << grown.rings_grown,
+        "{grown:?}"
+    );
+    // Now kill the peer while a writer and a reader are at work.
+    let (mut rd, mut wr) = s.split();
+    let write = async {
+        loop {
+            if let Err(e) = wr.write_all(&data).await {
+                return e;
+            }
+        }
+    };
+    let read = async {
+        let mut back = vec![0u8; 64 * 1024];
+        loop {
+            match rd.read(&mut back).await {
+                Ok(0) => panic!("EOF from a killed peer"),
+                Ok(_) => {}
+                Err(e) => return e,
+            }
+        }
+    };
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        child.kill().await.unwrap();
+    };
+    let (w, r, ()) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(write, read, kill)
+    })
+    .await
+    .expect("both the writer and the reader are woken");
+    for e in [&w, &r] {
+        assert!(
+            matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::BrokenPipe
+            ),
+            "{e}"
+        );
+        assert!(Error::from_io(e).is_some(), "typed: {e:?}");
+    }
+    drop(s);
+    wait_qp_count(before).await;
+    assert_eq!(
+        tokio_rdma::stats::resources().memory_windows,
+        windows_before,
+        "every window freed, the grown rings' too"
+    );
+}
