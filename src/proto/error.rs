@@ -93,7 +93,8 @@ pub enum ProtocolError {
     },
     /// A ring-growth message out of turn: a GRANT chunk out of order, a
     /// new offer before the last one was taken, an offer beyond the
-    /// largest ring (2^30 bytes), or a SWITCH without an offer.
+    /// largest ring (2^30 bytes) or whose address range passes 2^64, or a
+    /// SWITCH without an offer.
     #[error("ring growth out of turn: {reason}")]
     RingGrowth {
         /// What was out of turn.

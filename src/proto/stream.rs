@@ -1063,13 +1063,15 @@ impl StreamCore {
             }
             Imm::Fin if self.fin_received => return Err(ProtocolError::DuplicateFin),
             Imm::Fin | Imm::Abort { .. } => {}
-            Imm::Grant { index, .. } => {
+            Imm::Grant { index, bits } => {
                 let reason = if self.switch_pending {
                     Some("a new ring offer before the last one was taken")
                 } else if index != self.grant_rx.0 {
                     Some("GRANT chunk out of order")
                 } else if index + 1 == GRANT_CHUNKS && self.p.peer_ring_len > MAX_RING_LEN / 2 {
                     Some("a ring offer beyond the largest ring (2^30 bytes)")
+                } else if index + 1 == GRANT_CHUNKS && self.offered_range_overflows(bits) {
+                    Some("a ring offer whose address range passes 2^64")
                 } else {
                     None
                 };
@@ -1180,6 +1182,16 @@ impl StreamCore {
     /// (fill cycles are counted only then).
     fn may_grow(&self) -> bool {
         self.p.ring_len <= self.p.max_ring_len / 2
+    }
+
+    /// Whether the peer's offer, completed by last chunk `bits`, names a
+    /// ring (twice the current peer ring) that would end past 2^64.
+    fn offered_range_overflows(&self, bits: u32) -> bool {
+        let mut chunks = self.grant_rx.1;
+        chunks[usize::from(GRANT_CHUNKS - 1)] = bits;
+        let (addr, _) = grant_descriptor(chunks);
+        addr.checked_add(2 * u64::from(self.p.peer_ring_len))
+            .is_none()
     }
 
     /// Ring bytes of the current local ring the peer may still write:

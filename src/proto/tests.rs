@@ -2205,6 +2205,26 @@ fn ring_growth_out_of_turn_is_a_protocol_error() {
         assert_eq!(err.abort_code(), 11);
         assert_aborted_with(&mut core, &err);
     }
+    // An offer whose ring would end past 2^64.
+    let mut core = lone(100, 8);
+    let top = crate::proto::imm::grant_chunks(u64::MAX - 1000, 7);
+    for (index, bits) in top.iter().take(3).enumerate() {
+        let index = index as u8;
+        let imm = Imm::Grant { index, bits: *bits }.encode();
+        assert_eq!(core.on_recv(imm), Ok(RecvEvent::GrantChunk { index }));
+    }
+    let last = Imm::Grant {
+        index: 3,
+        bits: top[3],
+    };
+    let err = core.on_recv(last.encode()).unwrap_err();
+    assert_eq!(
+        err,
+        ProtocolError::RingGrowth {
+            reason: "a ring offer whose address range passes 2^64"
+        }
+    );
+    assert_aborted_with(&mut core, &err);
     // An offer would double a peer ring of 2^30 bytes, the largest.
     let peer = Cfg {
         ring_len: 1 << 30,

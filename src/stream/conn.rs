@@ -154,7 +154,9 @@ impl StreamState {
             t.wr_id,
             local_offset,
             len,
-            self.peer_ring_addr + u64::from(remote_offset),
+            // The peer's address is its own business: an address near
+            // 2^64 wraps, and the NIC then refuses the key's range.
+            self.peer_ring_addr.wrapping_add(u64::from(remote_offset)),
             self.peer_rkey,
             imm,
             t.signaled,
