@@ -361,6 +361,14 @@ enum Growth {
     Offered,
 }
 
+impl Growth {
+    /// A ring that has just started (or just grown): no fill cycle yet.
+    const FRESH: Growth = Growth::Watching {
+        fills: 0,
+        nearly_full: false,
+    };
+}
+
 /// A previous local ring still holding unread bytes after a SWITCH.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct OldRing {
@@ -477,6 +485,12 @@ fn check(
     }
 }
 
+/// `T_b`: unreturned consumed bytes of a `ring_len`-byte ring that make a
+/// CREDIT due (a quarter of the ring, 1..=[`MAX_CREDIT_BYTES`]).
+fn credit_bytes_threshold(ring_len: u32) -> u32 {
+    (ring_len / 4).clamp(1, MAX_CREDIT_BYTES)
+}
+
 fn ranges(start: u32, len: u32, ring: u32) -> [Range<usize>; 2] {
     let start = start as usize;
     let len = len as usize;
@@ -552,7 +566,7 @@ impl StreamCore {
         )?;
         Ok(StreamCore {
             p: params,
-            credit_bytes_threshold: (params.ring_len / 4).clamp(1, MAX_CREDIT_BYTES),
+            credit_bytes_threshold: credit_bytes_threshold(params.ring_len),
             credit_wrs_threshold: (params.recv_depth / 4).max(2),
             sb_write_pos: 0,
             sb_post_pos: 0,
@@ -573,10 +587,7 @@ impl StreamCore {
             grant_rx: (0, [0; 4]),
             switch_pending: false,
             ring_gen: 0,
-            growth: Growth::Watching {
-                fills: 0,
-                nearly_full: false,
-            },
+            growth: Growth::FRESH,
             abandoned: 0,
             old_ring: None,
             recv_tail: 0,
@@ -1099,10 +1110,10 @@ impl StreamCore {
                 self.recv_tail = advance(self.recv_tail, len, self.p.ring_len);
                 self.unconsumed += len;
                 self.stats.bytes_received += u64::from(len);
-                // At least half full (unread, or read and not yet
-                // returned): byte credit is what holds the writer back.
-                let filled = u64::from(self.ring_free()) * 2 <= u64::from(self.p.ring_len);
                 if self.may_grow() {
+                    // At least half full (unread, or read and not yet
+                    // returned): byte credit is what holds the writer back.
+                    let filled = u64::from(self.ring_free()) * 2 <= u64::from(self.p.ring_len);
                     if let Growth::Watching { nearly_full, .. } = &mut self.growth {
                         *nearly_full |= filled;
                     }
@@ -1163,15 +1174,12 @@ impl StreamCore {
                 self.ring_gen += 1;
                 // ring_wanted offered exactly the double.
                 self.p.ring_len *= 2;
-                self.credit_bytes_threshold = (self.p.ring_len / 4).clamp(1, MAX_CREDIT_BYTES);
+                self.credit_bytes_threshold = credit_bytes_threshold(self.p.ring_len);
                 self.recv_tail = 0;
                 self.read_pos = 0;
                 self.unconsumed = 0;
                 self.abandoned = 0;
-                self.growth = Growth::Watching {
-                    fills: 0,
-                    nearly_full: false,
-                };
+                self.growth = Growth::FRESH;
                 self.stats.rings_grown += 1;
                 RecvEvent::Switch
             }
@@ -1276,9 +1284,11 @@ impl StreamCore {
         }
     }
 
-    /// Generation of the ring [`readable`](StreamCore::readable) describes.
+    /// Generation of the ring [`readable`](StreamCore::readable) describes:
+    /// the oldest ring in use ([`oldest_ring`](StreamCore::oldest_ring)),
+    /// since the oldest ring is read first.
     pub fn readable_generation(&self) -> u32 {
-        self.old_ring.map_or(self.ring_gen, |old| old.generation)
+        self.oldest_ring()
     }
 
     /// Bytes received and not yet consumed, in every ring.
