@@ -10,6 +10,8 @@
 //! echo_bench client rdma://10.11.0.1:7700 --size 64 --in-flight 1 --requests 20000
 //! echo_bench server rdma://10.11.0.1:7701 --sink       # one way, as ib_write_bw
 //! echo_bench client rdma://10.11.0.1:7701 --one-way --size 65536 --requests 5000
+//! echo_bench server rdma://10.11.0.1:7702 --message --sink   # messages one way
+//! echo_bench client rdma://10.11.0.1:7702 --message --one-way --size 64 [--batch 32]
 //! echo_bench suite --ip 10.11.0.1 --device rxe0        # integration/bench-echo
 //! ```
 //!
@@ -19,6 +21,12 @@
 //! `ib_write_bw -s 65536`, for the default ring (which grows up to
 //! `max_ring_size`, 256 KiB), the same ring without growth
 //! (`--max-ring-size 65536`) and a ring of 256 KiB from the start.
+//! `--message --one-way` (with a `--message --sink` server) is the
+//! message rate the way `ib_send_bw` runs it: the client sends, the server
+//! takes and drops each message and reports the rate at which they
+//! arrived; the suite prints 64 B messages (`send()` each and `Sink`
+//! batches of 32) against `ib_send_bw -s 64`'s message rate and 1 MiB
+//! messages against `ib_write_bw -s 1048576`, on both runtimes.
 //!
 //! Addresses go through the transport switch, so `tcp://` runs the same
 //! workload over the kernel's TCP. `--message` (server and client) runs it
@@ -194,9 +202,11 @@ enum Cmd {
         /// Serve MessageEndpoints (echo each message) instead of streams.
         #[arg(long)]
         message: bool,
-        /// Read and discard what arrives instead of echoing it (streams;
-        /// for the client's `--one-way`).
-        #[arg(long, conflicts_with = "message")]
+        /// Read and discard what arrives instead of echoing it (for the
+        /// client's `--one-way`). With `--message`, `closed` carries two
+        /// more fields: the messages received and the rate at which they
+        /// arrived, messages/s from the first to the last.
+        #[arg(long)]
         sink: bool,
         /// Print each closed RDMA stream's `ConnectionStats` to stderr.
         #[arg(long)]
@@ -240,9 +250,18 @@ enum Cmd {
         /// first measured write until the server closed after the last
         /// byte (so every byte was delivered); the histogram holds each
         /// measured write's time (how long the writer waited for room).
-        /// `--in-flight` does not apply.
-        #[arg(long, conflicts_with = "message")]
+        /// `--in-flight` does not apply. With `--message`: `warmup +
+        /// requests` messages of `size` bytes, each a pool buffer filled by
+        /// the client, sent with `send()` each (or `--batch`); the span ends
+        /// when `flush` returned (every message taken by the server's NIC)
+        /// and the histogram holds one `send()` in 16 (or each batch).
+        #[arg(long)]
         one_way: bool,
+        /// `--message --one-way`: send through the endpoint's `Sink` in
+        /// batches of this many (`feed` each, then one `flush` posts them
+        /// together); 1 calls `send()` for each message.
+        #[arg(long, default_value_t = 1)]
+        batch: u64,
         /// Print the RDMA stream's `ConnectionStats` to stderr after the
         /// measured requests.
         #[arg(long)]
@@ -367,8 +386,10 @@ async fn serve(
 }
 
 /// Echoes every message of every endpoint (the received buffer itself)
-/// until the peer closes; prints what [`serve`] prints.
-async fn serve_messages(addr: TransportAddr, cfg: RdmaConfig) -> std::io::Result<()> {
+/// until the peer closes, or with `sink` takes and drops each one; prints
+/// what [`serve`] prints, and with `sink` also the messages received and
+/// their rate (messages/s from the first to the last).
+async fn serve_messages(addr: TransportAddr, cfg: RdmaConfig, sink: bool) -> std::io::Result<()> {
     let cfg = MessageConfig::new().connection(cfg);
     let listener = MessageListener::bind_with(addr.host_port(), &cfg).await?;
     println!("listening {}", listener.local_addr()?.port());
@@ -376,15 +397,32 @@ async fn serve_messages(addr: TransportAddr, cfg: RdmaConfig) -> std::io::Result
         let (ep, _) = listener.accept().await?;
         tokio::spawn(async move {
             let mut total = 0u64;
+            let mut count = 0u64;
+            let mut first = None;
+            let mut last = Instant::now();
             while let Ok(Some(msg)) = ep.recv().await {
                 total += msg.len() as u64;
-                if ep.send(msg).await.is_err() {
+                count += 1;
+                if sink {
+                    last = Instant::now();
+                    first.get_or_insert(last);
+                } else if ep.send(msg).await.is_err() {
                     break;
                 }
             }
             eprintln!("endpoint done after {total} bytes: {:?}", ep.stats());
             let _ = ep.close().await;
-            println!("closed {total} {}", cpu_us());
+            if sink {
+                let span = first.map_or(0.0, |f| (last - f).as_secs_f64());
+                let rate = if count > 1 && span > 0.0 {
+                    (count - 1) as f64 / span
+                } else {
+                    0.0
+                };
+                println!("closed {total} {} {count} {rate:.1}", cpu_us());
+            } else {
+                println!("closed {total} {}", cpu_us());
+            }
         });
     }
 }
@@ -466,6 +504,78 @@ async fn closed_loop_messages(
         secs: start.elapsed().as_secs_f64(),
         cpu_us: cpu_us() - cpu0,
     };
+    ep.close().await?;
+    Ok(run)
+}
+
+/// One way over a [`MessageEndpoint`] (server `--message --sink`):
+/// `warmup + requests` messages of `size` bytes, each in a pool buffer the
+/// client fills, sent with `send()` each or, with `batch` above 1, through
+/// the `Sink` (`feed` each, one `flush` per batch). The histogram holds
+/// one measured `send()` in 16 (a clock read is a syscall in the TCG
+/// guest) or each measured batch; the span runs from the first measured
+/// message until `flush` returned.
+async fn one_way_messages(
+    addr: TransportAddr,
+    cfg: RdmaConfig,
+    size: usize,
+    batch: u64,
+    requests: u64,
+    warmup: u64,
+) -> std::io::Result<Run> {
+    use futures::SinkExt;
+    let ep = MessageEndpoint::connect_with(addr.host_port(), &MessageConfig::new().connection(cfg))
+        .await?;
+    let batch = batch.max(1);
+    // Whole batches on both sides of the warm-up's end.
+    let warmup = warmup.div_ceil(batch) * batch;
+    let total = warmup + requests;
+    let mut hist = Histogram::<u64>::new(3).expect("histogram");
+    let mut sink = ep.clone();
+    let (mut start, mut cpu0) = (Instant::now(), cpu_us());
+    let mut i = 0;
+    while i < total {
+        if i == warmup {
+            (start, cpu0) = (Instant::now(), cpu_us());
+        }
+        let end = (i + batch).min(total);
+        // Under the TCG guest a clock read is a syscall (no vDSO): a
+        // `send()` each is timed one in 16, a batch always.
+        let timed = i >= warmup && (batch > 1 || i % 16 == 0);
+        let t = timed.then(Instant::now);
+        for _ in i..end {
+            let mut buf = ep.pool().alloc_any(size).await?;
+            buf.spare_mut()[..size].fill(0x5a);
+            buf.set_len(size);
+            if batch == 1 {
+                ep.send(buf).await?;
+            } else {
+                sink.feed(buf).await?;
+            }
+        }
+        if batch > 1 {
+            SinkExt::<tokio_rdma::PoolBuf>::flush(&mut sink).await?;
+        }
+        if let Some(t) = t {
+            hist.record(t.elapsed().as_nanos() as u64).expect("record");
+        }
+        i = end;
+    }
+    tokio::time::timeout(STALL, ep.flush())
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("flush not done after {STALL:?}; {:?}", ep.stats()),
+            )
+        })??;
+    let run = Run {
+        hist,
+        secs: start.elapsed().as_secs_f64(),
+        cpu_us: cpu_us() - cpu0,
+    };
+    eprintln!("client endpoint after {total} messages: {:?}", ep.stats());
+    drop(sink);
     ep.close().await?;
     Ok(run)
 }
@@ -589,7 +699,7 @@ fn main() -> std::process::ExitCode {
             let rt = runtime(flavor);
             let cfg = config(wait, ring_size, max_ring_size, share_cq);
             let served = if message {
-                rt.block_on(serve_messages(addr, cfg))
+                rt.block_on(serve_messages(addr, cfg, sink))
             } else {
                 rt.block_on(serve(addr, cfg, stats, sink))
             };
@@ -611,11 +721,14 @@ fn main() -> std::process::ExitCode {
             share_cq,
             message,
             one_way,
+            batch,
             stats,
         } => {
             let cfg = config(wait, ring_size, max_ring_size, share_cq);
             let rt = runtime(flavor);
-            let run = if message {
+            let run = if message && one_way {
+                rt.block_on(one_way_messages(addr, cfg, size, batch, requests, warmup))
+            } else if message {
                 rt.block_on(closed_loop_messages(
                     addr, cfg, size, in_flight, requests, warmup,
                 ))
@@ -681,6 +794,8 @@ struct Case {
     message: bool,
     /// One-way bulk (`--one-way` client, `--sink` server) instead of an echo.
     one_way: bool,
+    /// The client's `--batch` (message one-way cases).
+    batch: u64,
 }
 
 /// A finished case: the client's `result` fields and the server's CPU.
@@ -693,6 +808,9 @@ struct Outcome {
     cpu_per_rt_us: f64,
     /// Syscalls per round trip and the most frequent ones.
     syscalls_per_rt: Option<(f64, String)>,
+    /// A message sink's rate, messages/s at the server from the first
+    /// message to the last.
+    server_rate: Option<f64>,
 }
 
 fn flavor_arg(f: Flavor) -> &'static str {
@@ -815,7 +933,9 @@ fn remote_port(c: &Case) -> u16 {
 /// (client) for one-way cases, nothing for echoed streams.
 fn kind_args(c: &Case, server: bool) -> &'static [&'static str] {
     match (c.message, c.one_way, server) {
-        (true, _, _) => &["--message"],
+        (true, true, true) => &["--message", "--sink"],
+        (true, true, false) => &["--message", "--one-way"],
+        (true, false, _) => &["--message"],
         (false, true, true) => &["--sink"],
         (false, true, false) => &["--one-way"],
         (false, false, _) => &[],
@@ -834,9 +954,10 @@ fn bulk_requests(requests: u64, size: usize) -> u64 {
     }
 }
 
-/// Warm-up requests before `requests` measured ones.
-fn warmup_for(requests: u64) -> u64 {
-    500.min(requests / 4)
+/// Warm-up requests before `requests` measured ones of `c`: whole
+/// batches (`--batch`), as the client rounds them.
+fn warmup_for(c: &Case, requests: u64) -> u64 {
+    500.min(requests / 4).div_ceil(c.batch.max(1)) * c.batch.max(1)
 }
 
 /// Runs `cmd` (this binary, maybe under a syscall counter) as the client of `c`
@@ -858,7 +979,7 @@ async fn run_client(
             "--requests",
             &requests.to_string(),
             "--warmup",
-            &warmup_for(requests).to_string(),
+            &warmup_for(c, requests).to_string(),
             "--runtime",
             flavor_arg(c.runtime),
             "--wait",
@@ -867,6 +988,8 @@ async fn run_client(
             &c.ring.to_string(),
             "--max-ring-size",
             &c.max_ring.to_string(),
+            "--batch",
+            &c.batch.to_string(),
         ])
         .args(kind_args(c, false))
         .output()
@@ -903,6 +1026,7 @@ fn outcome(
         rps: requests as f64 / field(result, "secs"),
         cpu_per_rt_us: field(result, "cpu_us") / requests as f64 + server_cpu_per_rt_us,
         syscalls_per_rt,
+        server_rate: None,
     }
 }
 
@@ -960,11 +1084,15 @@ async fn run_case(
         .ok()?
         .ok()??;
     let server_cpu: f64 = closed.split_whitespace().nth(2)?.parse().ok()?;
+    let server_rate = closed
+        .split_whitespace()
+        .nth(4)
+        .and_then(|r| r.parse().ok());
     if let (Some(counter), Some(pid)) = (counter, server.id()) {
         counter.stop(pid);
     }
     let _ = tokio::time::timeout(Duration::from_secs(10), server.wait()).await;
-    let total = (requests + warmup_for(requests)) as f64;
+    let total = (requests + warmup_for(c, requests)) as f64;
     let syscalls_per_rt = counter.map(|counter| {
         let read =
             |who: &str| counter.counts(&std::fs::read_to_string(trace(who)).unwrap_or_default());
@@ -972,12 +1100,10 @@ async fn run_case(
     });
     // Client: measured requests only; server: its whole life (warm-up and
     // setup included) spread over every request it echoed.
-    Some(outcome(
-        &result,
-        requests,
-        server_cpu / total,
-        syscalls_per_rt,
-    ))
+    Some(Outcome {
+        server_rate,
+        ..outcome(&result, requests, server_cpu / total, syscalls_per_rt)
+    })
 }
 
 async fn suite(
@@ -1022,6 +1148,7 @@ async fn suite(
         max_ring: tokio_rdma::config::DEFAULT_MAX_RING_SIZE,
         message: false,
         one_way: false,
+        batch: 1,
     };
     use Flavor::{Current, Multi};
     let latency = [
@@ -1340,6 +1467,10 @@ async fn suite(
         }
     }
 
+    if server_ip.is_none() {
+        message_one_way(&common, requests, &perf, &run).await;
+    }
+
     if let (Some(counter), None) = (counter, server_ip) {
         println!();
         println!(
@@ -1354,6 +1485,130 @@ async fn suite(
                 }
                 None => println!("  {:<48} failed", c.name),
             }
+        }
+    }
+}
+
+/// The message rows, one way as `ib_send_bw` and `ib_write_bw` run: the
+/// client sends, a `--sink` server takes and drops each message; the rate
+/// is taken at the server, from its first message to its last. 64 B with
+/// `send()` each and through the `Sink` in batches of 32 (4 x `requests`
+/// messages) against `ib_send_bw -s 64`'s message rate; 1 MiB
+/// (rendezvous) against `ib_write_bw -s 1048576 -n 200`.
+async fn message_one_way<P, PF, R, RF>(common: &[String], requests: u64, perf: &P, run: &R)
+where
+    P: Fn(&'static str, Vec<String>, u16) -> PF,
+    PF: std::future::Future<Output = Option<String>>,
+    R: Fn(Case, u64) -> RF,
+    RF: std::future::Future<Output = Option<Outcome>>,
+{
+    use Flavor::{Current, Multi};
+    let row = |name, size, batch, runtime| Case {
+        name,
+        scheme: "rdma",
+        size,
+        in_flight: 1,
+        runtime,
+        wait: "adaptive",
+        ring: 65536,
+        max_ring: tokio_rdma::config::DEFAULT_MAX_RING_SIZE,
+        message: true,
+        one_way: true,
+        batch,
+    };
+    let rows = [
+        row(
+            "MessageEndpoint 64 B, send() each, current_thread",
+            64,
+            1,
+            Current,
+        ),
+        row(
+            "MessageEndpoint 64 B, send() each, multi-thread (2)",
+            64,
+            1,
+            Multi,
+        ),
+        row(
+            "MessageEndpoint 64 B, Sink batches of 32, current_thread",
+            64,
+            32,
+            Current,
+        ),
+        row(
+            "MessageEndpoint 64 B, Sink batches of 32, multi-thread (2)",
+            64,
+            32,
+            Multi,
+        ),
+        row(
+            "MessageEndpoint 1 MiB, send() each, current_thread",
+            1 << 20,
+            1,
+            Current,
+        ),
+        row(
+            "MessageEndpoint 1 MiB, send() each, multi-thread (2)",
+            1 << 20,
+            1,
+            Multi,
+        ),
+    ];
+    let mut small = common.to_vec();
+    small.extend(["-s".into(), "64".into(), "-n".into(), "100000".into()]);
+    let ib_rate = perf("ib_send_bw", small, 18524)
+        .await
+        .and_then(|o| perftest::msg_rate(&o));
+    let mut large = common.to_vec();
+    large.extend(["-s".into(), "1048576".into(), "-n".into(), "200".into()]);
+    let ib_bw = perf("ib_write_bw", large, 18525)
+        .await
+        .and_then(|o| perftest::bw_mb_per_s(&o));
+    println!();
+    println!(
+        "messages one way (two processes)                     msgs/s      MB/s  CPU us/msg  send p50 us  send p99 us  vs perftest"
+    );
+    match ib_rate {
+        Some(r) => println!(
+            "  {:<52} {r:>9.0} {:>9.2}           -            -            -  1.00",
+            "ib_send_bw -s 64 (raw verbs, MsgRate)",
+            r * 64.0 / 1e6
+        ),
+        None => println!("  ib_send_bw -s 64   n/a (perftest failed)"),
+    }
+    match ib_bw {
+        Some(b) => println!(
+            "  {:<52} {:>9.1} {b:>9.2}           -            -            -  1.00",
+            "ib_write_bw -s 1048576 (raw verbs)",
+            b * 1e6 / (1 << 20) as f64
+        ),
+        None => println!("  ib_write_bw -s 1048576   n/a (perftest failed)"),
+    }
+    for c in rows {
+        let n = if c.size <= 64 {
+            requests * 4
+        } else {
+            bulk_requests(requests, c.size)
+        };
+        let (name, size, batch) = (c.name, c.size, c.batch);
+        match run(c, n).await {
+            Some(o) => {
+                let rate = o.server_rate.unwrap_or(f64::NAN);
+                let mbs = rate * size as f64 / 1e6;
+                println!(
+                    "  {:<52} {rate:>9.0} {mbs:>9.2} {:>11.1} {:>12.1} {:>12.1}  {}",
+                    name,
+                    o.cpu_per_rt_us,
+                    o.p50 / batch as f64,
+                    o.p99 / batch as f64,
+                    if size <= 64 {
+                        ratio(rate, ib_rate)
+                    } else {
+                        ratio(mbs, ib_bw)
+                    }
+                );
+            }
+            None => println!("  {name:<52} failed"),
         }
     }
 }
@@ -1394,6 +1649,15 @@ mod tests {
             perftest::bw_mb_per_s("Couldn't connect to 10.11.0.1\n"),
             None
         );
+    }
+
+    /// `ib_send_bw`'s MsgRate column (Mpps) in messages/s.
+    #[test]
+    fn ib_send_bw_output_gives_messages_per_s() {
+        let out = " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n \
+            64         100000           2.72               2.70   \t\t   0.044166\n";
+        assert_eq!(perftest::msg_rate(out), Some(0.044166 * 1e6));
+        assert_eq!(perftest::msg_rate("no result\n"), None);
     }
 
     /// Both processes' counts add up per name, per round trip.

@@ -88,6 +88,13 @@ pub fn bw_mb_per_s(out: &str) -> Option<f64> {
     row(out)?.get(3).map(|mib_per_s| mib_per_s * 1.048576)
 }
 
+/// The message rate of an `ib_send_bw` result (the client's stdout) in
+/// messages/s: its "MsgRate[Mpps]" column (the 5th), converted.
+#[allow(dead_code)] // used by echo_bench, not by perf
+pub fn msg_rate(out: &str) -> Option<f64> {
+    row(out)?.get(4).map(|mpps| mpps * 1e6)
+}
+
 /// `a / b` to two places, or `n/a` without a reference.
 pub fn ratio(a: f64, b: Option<f64>) -> String {
     match b {
