@@ -208,7 +208,8 @@ enum Cmd {
         /// arrived, messages/s from the first to the last.
         #[arg(long)]
         sink: bool,
-        /// Print each closed RDMA stream's `ConnectionStats` to stderr.
+        /// Print each closed RDMA stream's `ConnectionStats` (or message
+        /// endpoint's `MessageStats`) to stderr.
         #[arg(long)]
         stats: bool,
     },
@@ -262,8 +263,9 @@ enum Cmd {
         /// together); 1 calls `send()` for each message.
         #[arg(long, default_value_t = 1)]
         batch: u64,
-        /// Print the RDMA stream's `ConnectionStats` to stderr after the
-        /// measured requests.
+        /// Print the RDMA stream's `ConnectionStats` (or, one way, the
+        /// message endpoint's `MessageStats`) to stderr after the measured
+        /// requests.
         #[arg(long)]
         stats: bool,
     },
@@ -389,7 +391,12 @@ async fn serve(
 /// until the peer closes, or with `sink` takes and drops each one; prints
 /// what [`serve`] prints, and with `sink` also the messages received and
 /// their rate (messages/s from the first to the last).
-async fn serve_messages(addr: TransportAddr, cfg: RdmaConfig, sink: bool) -> std::io::Result<()> {
+async fn serve_messages(
+    addr: TransportAddr,
+    cfg: RdmaConfig,
+    sink: bool,
+    stats: bool,
+) -> std::io::Result<()> {
     let cfg = MessageConfig::new().connection(cfg);
     let listener = MessageListener::bind_with(addr.host_port(), &cfg).await?;
     println!("listening {}", listener.local_addr()?.port());
@@ -410,7 +417,9 @@ async fn serve_messages(addr: TransportAddr, cfg: RdmaConfig, sink: bool) -> std
                     break;
                 }
             }
-            eprintln!("endpoint done after {total} bytes: {:?}", ep.stats());
+            if stats {
+                eprintln!("endpoint done after {total} bytes: {:?}", ep.stats());
+            }
             let _ = ep.close().await;
             if sink {
                 let span = first.map_or(0.0, |f| (last - f).as_secs_f64());
@@ -522,6 +531,7 @@ async fn one_way_messages(
     batch: u64,
     requests: u64,
     warmup: u64,
+    stats: bool,
 ) -> std::io::Result<Run> {
     use futures::SinkExt;
     let ep = MessageEndpoint::connect_with(addr.host_port(), &MessageConfig::new().connection(cfg))
@@ -574,7 +584,9 @@ async fn one_way_messages(
         secs: start.elapsed().as_secs_f64(),
         cpu_us: cpu_us() - cpu0,
     };
-    eprintln!("client endpoint after {total} messages: {:?}", ep.stats());
+    if stats {
+        eprintln!("client endpoint after {total} messages: {:?}", ep.stats());
+    }
     drop(sink);
     ep.close().await?;
     Ok(run)
@@ -699,7 +711,7 @@ fn main() -> std::process::ExitCode {
             let rt = runtime(flavor);
             let cfg = config(wait, ring_size, max_ring_size, share_cq);
             let served = if message {
-                rt.block_on(serve_messages(addr, cfg, sink))
+                rt.block_on(serve_messages(addr, cfg, sink, stats))
             } else {
                 rt.block_on(serve(addr, cfg, stats, sink))
             };
@@ -727,7 +739,9 @@ fn main() -> std::process::ExitCode {
             let cfg = config(wait, ring_size, max_ring_size, share_cq);
             let rt = runtime(flavor);
             let run = if message && one_way {
-                rt.block_on(one_way_messages(addr, cfg, size, batch, requests, warmup))
+                rt.block_on(one_way_messages(
+                    addr, cfg, size, batch, requests, warmup, stats,
+                ))
             } else if message {
                 rt.block_on(closed_loop_messages(
                     addr, cfg, size, in_flight, requests, warmup,
@@ -1566,11 +1580,11 @@ where
         .and_then(|o| perftest::bw_mb_per_s(&o));
     println!();
     println!(
-        "messages one way (two processes)                     msgs/s      MB/s  CPU us/msg  send p50 us  send p99 us  vs perftest"
+        "messages one way (two processes)                             msgs/s      MB/s  CPU us/msg  send p50 us  send p99 us  vs perftest"
     );
     match ib_rate {
         Some(r) => println!(
-            "  {:<52} {r:>9.0} {:>9.2}           -            -            -  1.00",
+            "  {:<60} {r:>9.0} {:>9.2}           -            -            -  1.00",
             "ib_send_bw -s 64 (raw verbs, MsgRate)",
             r * 64.0 / 1e6
         ),
@@ -1578,7 +1592,7 @@ where
     }
     match ib_bw {
         Some(b) => println!(
-            "  {:<52} {:>9.1} {b:>9.2}           -            -            -  1.00",
+            "  {:<60} {:>9.1} {b:>9.2}           -            -            -  1.00",
             "ib_write_bw -s 1048576 (raw verbs)",
             b * 1e6 / (1 << 20) as f64
         ),
@@ -1596,7 +1610,7 @@ where
                 let rate = o.server_rate.unwrap_or(f64::NAN);
                 let mbs = rate * size as f64 / 1e6;
                 println!(
-                    "  {:<52} {rate:>9.0} {mbs:>9.2} {:>11.1} {:>12.1} {:>12.1}  {}",
+                    "  {:<60} {rate:>9.0} {mbs:>9.2} {:>11.1} {:>12.1} {:>12.1}  {}",
                     name,
                     o.cpu_per_rt_us,
                     o.p50 / batch as f64,
@@ -1608,7 +1622,7 @@ where
                     }
                 );
             }
-            None => println!("  {name:<52} failed"),
+            None => println!("  {name:<60} failed"),
         }
     }
 }
