@@ -988,6 +988,78 @@ async fn keepalive_probes_keep_an_idle_stream_intact() {
     assert_eq!(server.await.unwrap().unwrap(), 64 * 1024);
 }
 
+/// Lock-step 64 B ping-pong on the multi-thread runtime, four connections
+/// at once, each way waiting by parking and by the default spin: the
+/// driver, woken while a reader or writer holds the connection's lock,
+/// leaves its round to that task (`ConnectionStats::driver_rounds_left`).
+/// A round lost between them would leave the CQ unarmed, and with
+/// keepalive off nothing else would wake the connection: the ping-pong
+/// would stop (the 120 s bound is a hang detector, not a speed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_thread_ping_pong_loses_no_driver_round() {
+    const ROUND_TRIPS: u64 = 4000;
+    for wait in [WaitStrategy::Park, WaitStrategy::default()] {
+        let cfg = RdmaConfig::new().keepalive(None).wait_strategy(wait);
+        let l = bind(&cfg).await;
+        let addr = l.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let mut echoes = Vec::new();
+            for _ in 0..4 {
+                let (s, _) = l.accept().await.unwrap();
+                echoes.push(tokio::spawn(echo(s)));
+            }
+            let mut total = 0;
+            for e in echoes {
+                total += e.await.unwrap().unwrap();
+            }
+            total
+        });
+        let clients: Vec<_> = (0..4u64)
+            .map(|c| {
+                let cfg = cfg.clone();
+                tokio::spawn(async move {
+                    let mut s = RdmaStream::connect_with(addr, &cfg).await.unwrap();
+                    let mut req = [0u8; 64];
+                    let mut resp = [0u8; 64];
+                    for i in 0..ROUND_TRIPS {
+                        for (k, b) in req.iter_mut().enumerate() {
+                            *b = pattern(c, i * 64 + k as u64);
+                        }
+                        s.write_all(&req).await.unwrap();
+                        s.read_exact(&mut resp).await.unwrap();
+                        assert_eq!(resp, req, "connection {c}, round trip {i}");
+                    }
+                    let stats = s.stats();
+                    s.shutdown().await.unwrap();
+                    assert_eq!(s.read(&mut resp).await.unwrap(), 0, "EOF after the echo");
+                    stats
+                })
+            })
+            .collect();
+        let done = tokio::time::timeout(Duration::from_secs(120), async {
+            let mut stats = Vec::new();
+            for c in clients {
+                stats.push(c.await.unwrap());
+            }
+            stats
+        })
+        .await
+        .expect("every ping-pong finishes (a lost driver round stalls one)");
+        for st in &done {
+            assert_eq!(st.bytes_sent, ROUND_TRIPS * 64);
+            assert_eq!(st.bytes_received, ROUND_TRIPS * 64);
+            assert_eq!(st.errors, 0);
+        }
+        eprintln!(
+            "{wait:?}: driver rounds left to the lock's holder per connection: {:?}",
+            done.iter()
+                .map(|s| s.driver_rounds_left)
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(server.await.unwrap(), 4 * ROUND_TRIPS * 64);
+    }
+}
+
 /// Connections on different tokio runtimes (a runtime's CQs report to a
 /// completion channel of its own): a current_thread runtime's connection
 /// and a multi-thread runtime's echo 1 MiB each concurrently; the first
