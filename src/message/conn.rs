@@ -437,10 +437,9 @@ impl Driven for MsgState {
     /// the multi-thread runtime holds the lock most of the time, so each
     /// round left to it posted what it had just queued and armed the CQ
     /// again, and the next completion woke the driver again: one event and
-    /// one driver wake-up per message, 5,000-6,500 messages/s against
-    /// 15,000-18,000 with the driver waiting for the lock
-    /// (benches/README.md, "The driver leaves its round to the lock's
-    /// holder").
+    /// one driver wake-up per message, 5,051-6,456 messages/s against
+    /// 15,337-18,133 with the driver waiting for the lock
+    /// (benches/README.md, "Messages one way, in two processes", item 3).
     const LEAVES_ROUNDS_TO_HOLDER: bool = false;
 
     fn qp(&self) -> &RcQueuePair {
