@@ -428,9 +428,13 @@ impl<D: Driven> Drop for ConnGuard<'_, D> {
                     shared.notify.notify_one();
                     return;
                 }
+                // A panic in the round below would lose it: the driver is
+                // nudged then (its round after a nudge waits for the lock).
+                let nudge = NudgeOnUnwind(&shared.notify);
                 st.progress_and_arm();
                 shared.ensure_tick(&st);
                 shared.nudge_if_failed(&st);
+                drop(nudge);
             }
             drop(st);
             // Pairs with the fence in `Shared::lock_or_leave_round`.
@@ -439,6 +443,17 @@ impl<D: Driven> Drop for ConnGuard<'_, D> {
                 // Held by someone else now: its guard does the round.
                 guard = shared.try_guard();
             }
+        }
+    }
+}
+
+/// Wakes the driver if dropped while unwinding.
+struct NudgeOnUnwind<'a>(&'a Notify);
+
+impl Drop for NudgeOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.notify_one();
         }
     }
 }
@@ -528,10 +543,16 @@ async fn drive<D: Driven>(
             shared.driver_wakeups.fetch_add(1, Ordering::Relaxed);
         }
         woken = true;
-        // Held by an application task: it does this round as it unlocks
-        // (`ConnGuard`); the driver waits as it did after its last round.
+        // With the lock held by an application task, that task does this
+        // round as it unlocks (`ConnGuard`). The driver then waits as after
+        // its last round, but with its tick on schedule: what only its own
+        // round looks at (`Driven::on_tick`, a failure, the last handle,
+        // the ticking a reader's left events need) is looked at by the
+        // first wake-up, within a tick, that finds the lock free. A task
+        // that holds the lock at every tick is busy with the connection
+        // and does the progress part of each round.
         let round = match shared.lock_or_leave_round() {
-            None => last_round.clone(),
+            None => (false, last_round.1.clone(), true, true),
             Some(mut st) => {
                 if std::mem::take(&mut ticked) {
                     st.on_tick();
