@@ -88,10 +88,6 @@ pub struct ConnectionStats {
     /// did not leave to a reader, an rdma_cm event, a timer, a nudge from
     /// an application task).
     pub driver_wakeups: u64,
-    /// Driver wake-ups that found the lock held by an application task
-    /// and left their round of progress (drain the completion queue, post,
-    /// arm) to it, done as it unlocked, instead of waiting for the lock.
-    pub driver_rounds_left: u64,
 }
 
 /// The verbs and rdma_cm objects this process holds through tokio-rdma

@@ -11,7 +11,7 @@
 //! every waiter of every kind, each registered in a [`WakerList`].
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::{Duration, Instant};
@@ -128,11 +128,6 @@ pub(crate) trait Driven: Send + 'static {
         }
     }
 
-    /// Whether a driver that woke while an application task held the lock
-    /// leaves its round to that task ([`ConnGuard`]) instead of waiting
-    /// for the lock.
-    const LEAVES_ROUNDS_TO_HOLDER: bool = true;
-
     /// Whether the CQ may be armed for solicited completions only (see
     /// [`RcQueuePair::arm`]): no application task waits for one of this
     /// side's send completions, and the driver does not either (closing,
@@ -214,11 +209,6 @@ pub(crate) struct Shared<D> {
     lock_waits: AtomicU64,
     /// Times the driver woke up.
     driver_wakeups: AtomicU64,
-    /// Set by a driver that woke and found the lock held: the holder does
-    /// the driver's round as it unlocks ([`ConnGuard`]).
-    progress_wanted: AtomicBool,
-    /// Times the driver left its round to the lock's holder.
-    driver_rounds_left: AtomicU64,
     /// The driver waits with its tick (leaving events to a reader, send
     /// completions due that no event announces, or bytes a reader left in
     /// a stream's ring; see [`Driven::needs_tick`]).
@@ -240,75 +230,23 @@ static CONN_IDS: AtomicU64 = AtomicU64::new(1);
 impl<D: Driven> Shared<D> {
     /// Locks the state (a poisoned lock is taken over: the state is kept
     /// consistent at every await-free step).
-    pub(crate) fn lock(&self) -> ConnGuard<'_, D> {
-        let guard = match self.try_guard() {
-            Some(g) => g,
-            None => {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, D> {
+        match self.state.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
                 self.lock_waits.fetch_add(1, Ordering::Relaxed);
                 self.state.lock().unwrap_or_else(|p| p.into_inner())
             }
-        };
-        ConnGuard {
-            guard: Some(guard),
-            shared: self,
         }
     }
 
-    fn try_guard(&self) -> Option<MutexGuard<'_, D>> {
-        match self.state.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
-
-    /// The driver's lock for its round: `None` when an application task
-    /// holds the lock, which then does the round as it unlocks
-    /// ([`ConnGuard`]). On the multi-thread runtime the event that woke
-    /// the driver was mostly raised by that very task's post (rxe runs the
-    /// transfer inside `ibv_post_send`), so waiting for the lock cost a
-    /// futex sleep and wake-up on both sides for a round the holder can do
-    /// at once.
-    fn lock_or_leave_round(&self) -> Option<ConnGuard<'_, D>> {
-        if !D::LEAVES_ROUNDS_TO_HOLDER {
-            return Some(self.lock());
-        }
-        if let Some(g) = self.try_guard() {
-            return Some(ConnGuard {
-                guard: Some(g),
-                shared: self,
-            });
-        }
-        self.progress_wanted.store(true, Ordering::SeqCst);
-        // The holder may have unlocked before it saw the request. The
-        // fence pairs with the one in `ConnGuard::drop` (after its unlock,
-        // before it looks at the request): of this try and that look, at
-        // least one sees the other side's write, so no round is lost.
-        fence(Ordering::SeqCst);
-        match self.try_guard() {
-            Some(g) => {
-                self.progress_wanted.store(false, Ordering::SeqCst);
-                Some(ConnGuard {
-                    guard: Some(g),
-                    shared: self,
-                })
-            }
-            None => {
-                self.driver_rounds_left.fetch_add(1, Ordering::Relaxed);
-                None
-            }
-        }
-    }
-
-    /// Times a task found the lock held and waited, times the driver woke
-    /// up, and times it left its round to the holder
-    /// (`ConnectionStats::lock_waits`, `driver_wakeups`,
-    /// `driver_rounds_left`).
-    pub(crate) fn contention(&self) -> (u64, u64, u64) {
+    /// Times a task found the lock held and waited, and times the driver
+    /// woke up (`ConnectionStats::lock_waits`, `driver_wakeups`).
+    pub(crate) fn contention(&self) -> (u64, u64) {
         (
             self.lock_waits.load(Ordering::Relaxed),
             self.driver_wakeups.load(Ordering::Relaxed),
-            self.driver_rounds_left.load(Ordering::Relaxed),
         )
     }
 
@@ -342,11 +280,11 @@ impl<D: Driven> Shared<D> {
     /// gained nothing over parking (benches/README.md, "Spin, then park").
     pub(crate) fn spin<'a>(
         &'a self,
-        mut st: ConnGuard<'a, D>,
+        mut st: MutexGuard<'a, D>,
         ready: fn(&D) -> bool,
         progress: fn(&mut D),
         wait: fn(&mut D) -> &mut SpinWait,
-    ) -> ConnGuard<'a, D> {
+    ) -> MutexGuard<'a, D> {
         let Some(deadline) = wait(&mut st).begin() else {
             return st;
         };
@@ -388,76 +326,6 @@ impl<D: Driven> Shared<D> {
     }
 }
 
-/// A connection's state, locked ([`Shared::lock`]). A driver that woke
-/// while the lock was held left its round (drain, post, arm) to the holder:
-/// the guard does it before it unlocks, and looks once more after
-/// unlocking, for a request that came in between.
-pub(crate) struct ConnGuard<'a, D: Driven> {
-    guard: Option<MutexGuard<'a, D>>,
-    shared: &'a Shared<D>,
-}
-
-impl<D: Driven> std::ops::Deref for ConnGuard<'_, D> {
-    type Target = D;
-
-    fn deref(&self) -> &D {
-        self.guard.as_deref().expect("held until dropped")
-    }
-}
-
-impl<D: Driven> std::ops::DerefMut for ConnGuard<'_, D> {
-    fn deref_mut(&mut self) -> &mut D {
-        self.guard.as_deref_mut().expect("held until dropped")
-    }
-}
-
-impl<D: Driven> Drop for ConnGuard<'_, D> {
-    fn drop(&mut self) {
-        let shared = self.shared;
-        let mut guard = self.guard.take();
-        if !D::LEAVES_ROUNDS_TO_HOLDER {
-            return;
-        }
-        while let Some(mut st) = guard.take() {
-            if shared.progress_wanted.load(Ordering::SeqCst)
-                && shared.progress_wanted.swap(false, Ordering::SeqCst)
-            {
-                if std::thread::panicking() {
-                    // Unwinding: leave the round to the driver itself.
-                    drop(st);
-                    shared.notify.notify_one();
-                    return;
-                }
-                // A panic in the round below would lose it: the driver is
-                // nudged then (its round after a nudge waits for the lock).
-                let nudge = NudgeOnUnwind(&shared.notify);
-                st.progress_and_arm();
-                shared.ensure_tick(&st);
-                shared.nudge_if_failed(&st);
-                drop(nudge);
-            }
-            drop(st);
-            // Pairs with the fence in `Shared::lock_or_leave_round`.
-            fence(Ordering::SeqCst);
-            if shared.progress_wanted.load(Ordering::SeqCst) {
-                // Held by someone else now: its guard does the round.
-                guard = shared.try_guard();
-            }
-        }
-    }
-}
-
-/// Wakes the driver if dropped while unwinding.
-struct NudgeOnUnwind<'a>(&'a Notify);
-
-impl Drop for NudgeOnUnwind<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.notify_one();
-        }
-    }
-}
-
 /// What the handshake established, to start a connection with.
 pub(crate) struct Started<D> {
     /// The kind's state, owning the QP.
@@ -489,8 +357,6 @@ pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
         handles: AtomicUsize::new(1),
         lock_waits: AtomicU64::new(0),
         driver_wakeups: AtomicU64::new(0),
-        progress_wanted: AtomicBool::new(false),
-        driver_rounds_left: AtomicU64::new(0),
         driver_ticking: AtomicBool::new(false),
         closed: watch::Sender::new(false),
         local_addr,
@@ -535,69 +401,54 @@ async fn drive<D: Driven>(
     // (the peer's CREDITs while this side writes) do not put it off for
     // ever.
     let mut tick_at: Option<tokio::time::Instant> = None;
-    // What the last round found (done, waiting for memory, ticking, on
-    // schedule), for a round left to an application task.
-    let mut last_round: (bool, Option<MemoryPool>, bool, bool) = (false, None, false, false);
     loop {
         if woken {
             shared.driver_wakeups.fetch_add(1, Ordering::Relaxed);
         }
         woken = true;
-        // With the lock held by an application task, that task does this
-        // round as it unlocks (`ConnGuard`). The driver then waits as after
-        // its last round, but with its tick on schedule: what only its own
-        // round looks at (`Driven::on_tick`, a failure, the last handle,
-        // the ticking a reader's left events need) is looked at by the
-        // first wake-up, within a tick, that finds the lock free. A task
-        // that holds the lock at every tick is busy with the connection
-        // and does the progress part of each round.
-        let round = match shared.lock_or_leave_round() {
-            None => (false, last_round.1.clone(), true, true),
-            Some(mut st) => {
-                if std::mem::take(&mut ticked) {
-                    st.on_tick();
-                }
-                st.progress_and_arm();
-                let orphaned = shared.handles() == 0;
-                if orphaned && linger_deadline.is_none() {
-                    linger_deadline = Some(tokio::time::Instant::now() + linger);
-                    st.on_last_handle();
-                    st.progress();
-                }
-                let failed = match st.failure() {
-                    Some(true) => true,
-                    Some(false) => {
-                        let d = *abort_deadline
-                            .get_or_insert_with(|| tokio::time::Instant::now() + ABORT_GRACE);
-                        tokio::time::Instant::now() >= d
-                    }
-                    None => false,
-                };
-                // With no handle left no reader will come: take every event
-                // (this runs before every wait, so an event that turned
-                // leaving on after the last handle dropped is undone before
-                // the driver waits).
-                if let Some(d) = &delegation
-                    && shared.handles() == 0
-                {
-                    d.set_filtering(false);
-                }
-                let ticking = st.needs_tick() || delegation.as_ref().is_some_and(|d| d.filtering());
-                // Stored under the lock: a task that makes a tick needed
-                // after this (`Shared::ensure_tick`, under the lock too) sees
-                // `false` and wakes the driver, whose permit the wait below
-                // then takes.
-                shared.driver_ticking.store(ticking, Ordering::Release);
-                (
-                    (orphaned && st.finished()) || failed,
-                    st.waiting_for_memory(),
-                    ticking,
-                    st.tick_on_schedule(),
-                )
+        let (done, memory, ticking, on_schedule) = {
+            let mut st = shared.lock();
+            if std::mem::take(&mut ticked) {
+                st.on_tick();
             }
+            st.progress_and_arm();
+            let orphaned = shared.handles() == 0;
+            if orphaned && linger_deadline.is_none() {
+                linger_deadline = Some(tokio::time::Instant::now() + linger);
+                st.on_last_handle();
+                st.progress();
+            }
+            let failed = match st.failure() {
+                Some(true) => true,
+                Some(false) => {
+                    let d = *abort_deadline
+                        .get_or_insert_with(|| tokio::time::Instant::now() + ABORT_GRACE);
+                    tokio::time::Instant::now() >= d
+                }
+                None => false,
+            };
+            // With no handle left no reader will come: take every event
+            // (this runs before every wait, so an event that turned
+            // leaving on after the last handle dropped is undone before
+            // the driver waits).
+            if let Some(d) = &delegation
+                && shared.handles() == 0
+            {
+                d.set_filtering(false);
+            }
+            let ticking = st.needs_tick() || delegation.as_ref().is_some_and(|d| d.filtering());
+            // Stored under the lock: a task that makes a tick needed
+            // after this (`Shared::ensure_tick`, under the lock too) sees
+            // `false` and wakes the driver, whose permit the wait below
+            // then takes.
+            shared.driver_ticking.store(ticking, Ordering::Release);
+            (
+                (orphaned && st.finished()) || failed,
+                st.waiting_for_memory(),
+                ticking,
+                st.tick_on_schedule(),
+            )
         };
-        last_round = round.clone();
-        let (done, memory, ticking, on_schedule) = round;
         if done {
             break;
         }

@@ -433,15 +433,6 @@ impl MsgState {
 }
 
 impl Driven for MsgState {
-    /// Not for message endpoints: a sender calling `send()` in a loop on
-    /// the multi-thread runtime holds the lock most of the time, so each
-    /// round left to it posted what it had just queued and armed the CQ
-    /// again, and the next completion woke the driver again: one event and
-    /// one driver wake-up per message, 5,051-6,456 messages/s against
-    /// 15,337-18,133 with the driver waiting for the lock
-    /// (benches/README.md, "Messages one way, in two processes", item 3).
-    const LEAVES_ROUNDS_TO_HOLDER: bool = false;
-
     fn qp(&self) -> &RcQueuePair {
         self.qp.qp_ref()
     }
@@ -530,9 +521,9 @@ impl MsgConn {
     /// without a hop through the driver task.
     fn wait_recv<'a>(
         &'a self,
-        mut st: crate::conn::shared::ConnGuard<'a, MsgState>,
+        mut st: std::sync::MutexGuard<'a, MsgState>,
         cx: &mut Context<'_>,
-    ) -> crate::conn::shared::ConnGuard<'a, MsgState> {
+    ) -> std::sync::MutexGuard<'a, MsgState> {
         st = self.spin(st, Self::recv_ready, MsgState::progress, |st| &mut st.spin);
         let events = st.qp.qp_ref().cq_events();
         while !Self::recv_ready(&st) {
@@ -728,7 +719,7 @@ impl MsgConn {
             .cq_events()
             .delegation()
             .map_or(0, |d| d.left());
-        (s.lock_waits, s.driver_wakeups, _) = self.contention();
+        (s.lock_waits, s.driver_wakeups) = self.contention();
         s
     }
 

@@ -14,9 +14,9 @@
 //! application side copies into the registered send buffer and posts
 //! directly from `poll_write` (no task hop on the fast path).
 
-use crate::conn::shared::ConnGuard;
 use std::collections::VecDeque;
 use std::io;
+use std::sync::MutexGuard;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -452,9 +452,9 @@ impl Conn {
     /// reader without a hop through the driver task.
     fn wait_readable<'a>(
         &'a self,
-        mut st: ConnGuard<'a, StreamState>,
+        mut st: MutexGuard<'a, StreamState>,
         cx: &mut Context<'_>,
-    ) -> ConnGuard<'a, StreamState> {
+    ) -> MutexGuard<'a, StreamState> {
         st.progress_reading();
         if !st.read_ready() {
             st = self.spin(
@@ -735,7 +735,7 @@ impl Conn {
         s.read_parks = st.spin.parks;
         s.spin_limit_us = st.spin.limit_us();
         s.events_left_to_reader = st.qp.cq_events().delegation().map_or(0, |d| d.left());
-        (s.lock_waits, s.driver_wakeups, s.driver_rounds_left) = self.contention();
+        (s.lock_waits, s.driver_wakeups) = self.contention();
         s
     }
 }
