@@ -288,12 +288,22 @@ impl<D: Driven> Shared<D> {
         let Some(deadline) = wait(&mut st).begin() else {
             return st;
         };
+        // Events that come while this task polls the CQ are left to it
+        // (see `Delegation`): the driver is not woken to find nothing.
+        let events = st.qp().cq_events();
+        let delegation = events.delegation();
+        if let Some(d) = delegation {
+            d.spinning(true);
+        }
         let mut deadline = SpinDeadline::new(deadline);
         while !ready(&st) && !deadline.passed(Instant::now) {
             drop(st);
             std::hint::spin_loop();
             st = self.lock();
             progress(&mut st);
+        }
+        if let Some(d) = delegation {
+            d.spinning(false);
         }
         st
     }

@@ -180,7 +180,8 @@ fn dedicated_budget() -> usize {
 /// finds nothing to do; on a multi-thread runtime its wake-up even moves
 /// one of the two tasks to another worker (a futex wake) and the two
 /// contend for the connection's lock. So while an application task is
-/// parked on the CQ, the driver's registration is woken through this gate,
+/// parked on the CQ, or spinning on it (`app_spinning`: it polls the CQ
+/// itself), the driver's registration is woken through this gate,
 /// which leaves the event to that task (`app_parked`) while
 /// the driver filters ([`Delegation::set_filtering`]).
 ///
@@ -197,6 +198,9 @@ fn dedicated_budget() -> usize {
 pub(crate) struct Delegation {
     /// An application task is registered for the CQ's next event.
     app_parked: AtomicBool,
+    /// An application task is spinning on the CQ (polling it in a loop:
+    /// it sees a completion before the event could wake anyone).
+    app_spinning: AtomicBool,
     /// The driver leaves events to a parked application task.
     filtering: AtomicBool,
     /// An application task took an event since the driver's last tick.
@@ -239,6 +243,16 @@ impl Delegation {
     fn took(&self) {
         self.taken.store(true, Ordering::Release);
         self.app_parked.store(false, Ordering::Release);
+    }
+
+    /// An application task starts (`true`) or ends a spin on the CQ
+    /// (`Shared::spin`): an event that comes meanwhile is left to it as to
+    /// a parked task, since it polls the CQ itself. A spin runs within one
+    /// poll of the task (no await), so it cannot be dropped midway; an
+    /// event left just after its last poll of the CQ is one the tick's
+    /// round or the task's next call takes.
+    pub(crate) fn spinning(&self, on: bool) {
+        self.app_spinning.store(on, Ordering::Release);
     }
 
     /// The driver leaves events to parked application tasks (`true`) or
@@ -287,7 +301,7 @@ impl Delegation {
     /// the reader, woken on another worker, usually took the event (and
     /// was no longer parked) by the time the driver looked.
     fn pass(&self) -> bool {
-        if self.app_parked.load(Ordering::Acquire) {
+        if self.app_parked.load(Ordering::Acquire) || self.app_spinning.load(Ordering::Acquire) {
             if self.filtering.load(Ordering::Acquire) {
                 self.left.fetch_add(1, Ordering::AcqRel);
                 return false;
@@ -1156,5 +1170,36 @@ mod tests {
         event(&d);
         assert_eq!(order.lock().unwrap().len(), 6);
         assert!(!d.filtering());
+    }
+
+    #[test]
+    fn the_gate_leaves_an_event_to_a_spinning_reader_as_to_a_parked_one() {
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let d = Arc::new(Delegation::default());
+        let gate = Waker::from(Arc::clone(&d));
+        let event = |d: &Arc<Delegation>| {
+            *lock(&d.driver) = Some(waker("driver", &order));
+            gate.wake_by_ref();
+        };
+        // A spin while not filtering: the first event still wakes the
+        // driver and starts filtering (its tick follows).
+        d.spinning(true);
+        event(&d);
+        assert_eq!(order.lock().unwrap().len(), 1);
+        assert!(d.filtering());
+        // Later events of the spin are left to the spinner and counted.
+        event(&d);
+        event(&d);
+        assert_eq!((order.lock().unwrap().len(), d.left()), (1, 2));
+        // The spin ended (the reader returned with its data): the next
+        // event wakes the driver again.
+        d.spinning(false);
+        event(&d);
+        assert_eq!((order.lock().unwrap().len(), d.left()), (2, 2));
+        // Left events nobody took from the channel: the tick stops
+        // filtering, as for a parked reader that went away.
+        d.on_tick();
+        assert!(!d.filtering());
+        assert!(!d.app_parked());
     }
 }
