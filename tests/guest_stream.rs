@@ -34,6 +34,23 @@ async fn bind(cfg: &RdmaConfig) -> RdmaListener {
         .expect("bind on rxe0's address")
 }
 
+/// Accepts `n` connections on `l` and echoes each on a task of its own
+/// until EOF; resolves to the bytes echoed on all of them.
+fn echo_accepted(l: RdmaListener, n: usize) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let mut tasks = Vec::new();
+        for _ in 0..n {
+            let (s, _) = l.accept().await.unwrap();
+            tasks.push(tokio::spawn(echo(s)));
+        }
+        let mut sum = 0;
+        for t in tasks {
+            sum += t.await.unwrap().unwrap();
+        }
+        sum
+    })
+}
+
 /// Writes `len` pattern bytes and half-closes while reading the echo;
 /// checks every byte and the final EOF. Returns bytes echoed.
 async fn echo_roundtrip(s: RdmaStream, seed: u64, len: u64, chunk: usize) -> io::Result<u64> {
@@ -114,18 +131,7 @@ async fn echo_256_mib() {
 async fn hundred_concurrent_connections_both_ways() {
     let l = bind(&RdmaConfig::default()).await;
     let addr = l.local_addr().unwrap();
-    let server = tokio::spawn(async move {
-        let mut tasks = Vec::new();
-        for _ in 0..100 {
-            let (s, _) = l.accept().await.unwrap();
-            tasks.push(tokio::spawn(echo(s)));
-        }
-        let mut sum = 0;
-        for t in tasks {
-            sum += t.await.unwrap().unwrap();
-        }
-        sum
-    });
+    let server = echo_accepted(l, 100);
     let clients: Vec<_> = (0..100u64)
         .map(|c| {
             tokio::spawn(async move {
@@ -1001,18 +1007,7 @@ async fn multi_thread_lock_step_ping_pongs_never_stall() {
         let cfg = RdmaConfig::new().keepalive(None).wait_strategy(wait);
         let l = bind(&cfg).await;
         let addr = l.local_addr().unwrap();
-        let server = tokio::spawn(async move {
-            let mut echoes = Vec::new();
-            for _ in 0..4 {
-                let (s, _) = l.accept().await.unwrap();
-                echoes.push(tokio::spawn(echo(s)));
-            }
-            let mut total = 0;
-            for e in echoes {
-                total += e.await.unwrap().unwrap();
-            }
-            total
-        });
+        let server = echo_accepted(l, 4);
         let clients: Vec<_> = (0..4u64)
             .map(|c| {
                 let cfg = cfg.clone();

@@ -1053,7 +1053,10 @@ mod tests {
         }
     }
 
-    fn waker(name: &'static str, order: &Arc<Mutex<Vec<&'static str>>>) -> Waker {
+    /// The names of the wakers woken, in order.
+    type Order = Arc<Mutex<Vec<&'static str>>>;
+
+    fn waker(name: &'static str, order: &Order) -> Waker {
         Waker::from(Arc::new(Named(name, Arc::clone(order))))
     }
 
@@ -1106,15 +1109,24 @@ mod tests {
         assert_eq!(take(&s, &writer, false), Poll::Pending);
     }
 
-    #[test]
-    fn the_gate_leaves_an_event_to_a_parked_reader_only_while_the_driver_filters() {
+    /// A gate, the list of wake-ups its driver registrations got, and an
+    /// event: the driver registers (as `take_as_driver` does), then the
+    /// reactor wakes the gate.
+    fn gate() -> (Order, Arc<Delegation>, impl Fn(&Arc<Delegation>)) {
         let order = Arc::new(Mutex::new(Vec::new()));
         let d = Arc::new(Delegation::default());
         let gate = Waker::from(Arc::clone(&d));
-        let event = |d: &Arc<Delegation>| {
-            *lock(&d.driver) = Some(waker("driver", &order));
+        let woken = Arc::clone(&order);
+        let event = move |d: &Arc<Delegation>| {
+            *lock(&d.driver) = Some(waker("driver", &woken));
             gate.wake_by_ref();
         };
+        (order, d, event)
+    }
+
+    #[test]
+    fn the_gate_leaves_an_event_to_a_parked_reader_only_while_the_driver_filters() {
+        let (order, d, event) = gate();
         let park = |d: &Delegation| d.app_parked.store(true, Ordering::Release);
         // Not filtering, no reader parked: the driver is woken and does
         // not start filtering.
@@ -1174,13 +1186,7 @@ mod tests {
 
     #[test]
     fn the_gate_leaves_an_event_to_a_spinning_reader_as_to_a_parked_one() {
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let d = Arc::new(Delegation::default());
-        let gate = Waker::from(Arc::clone(&d));
-        let event = |d: &Arc<Delegation>| {
-            *lock(&d.driver) = Some(waker("driver", &order));
-            gate.wake_by_ref();
-        };
+        let (order, d, event) = gate();
         // A spin while not filtering: the first event still wakes the
         // driver and starts filtering (its tick follows).
         d.spinning(true);
