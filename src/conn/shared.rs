@@ -291,10 +291,7 @@ impl<D: Driven> Shared<D> {
         // Events that come while this task polls the CQ are left to it
         // (see `Delegation`): the driver is not woken to find nothing.
         let events = st.qp().cq_events();
-        let delegation = events.delegation();
-        if let Some(d) = delegation {
-            d.spinning(true);
-        }
+        let spinning = events.delegation().map(|d| d.spinning());
         let mut deadline = SpinDeadline::new(deadline);
         while !ready(&st) && !deadline.passed(Instant::now) {
             drop(st);
@@ -302,9 +299,7 @@ impl<D: Driven> Shared<D> {
             st = self.lock();
             progress(&mut st);
         }
-        if let Some(d) = delegation {
-            d.spinning(false);
-        }
+        drop(spinning);
         st
     }
 

@@ -198,9 +198,10 @@ fn dedicated_budget() -> usize {
 pub(crate) struct Delegation {
     /// An application task is registered for the CQ's next event.
     app_parked: AtomicBool,
-    /// An application task is spinning on the CQ (polling it in a loop:
-    /// it sees a completion before the event could wake anyone).
-    app_spinning: AtomicBool,
+    /// Application tasks spinning on the CQ (polling it in a loop: they
+    /// see a completion before the event could wake anyone); a count, as
+    /// clones of a message endpoint can spin in `recv` at once.
+    app_spinning: AtomicUsize,
     /// The driver leaves events to a parked application task.
     filtering: AtomicBool,
     /// An application task took an event since the driver's last tick.
@@ -215,6 +216,16 @@ pub(crate) struct Delegation {
     left_at_tick: AtomicU64,
     /// The driver task's own waker.
     driver: Mutex<Option<Waker>>,
+}
+
+/// A spin on the CQ in progress ([`Delegation::spinning`]); ends on drop,
+/// unwinding included.
+pub(crate) struct Spinning<'a>(&'a Delegation);
+
+impl Drop for Spinning<'_> {
+    fn drop(&mut self) {
+        self.0.app_spinning.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// How often a driver that leaves completion events to a parked reader
@@ -245,14 +256,15 @@ impl Delegation {
         self.app_parked.store(false, Ordering::Release);
     }
 
-    /// An application task starts (`true`) or ends a spin on the CQ
-    /// (`Shared::spin`): an event that comes meanwhile is left to it as to
-    /// a parked task, since it polls the CQ itself. A spin runs within one
-    /// poll of the task (no await), so it cannot be dropped midway; an
+    /// An application task spins on the CQ (`Shared::spin`) until the
+    /// returned mark drops: an event that comes meanwhile is left to it as
+    /// to a parked task, since it polls the CQ itself. A spin runs within
+    /// one poll of the task (no await), so it cannot be dropped midway; an
     /// event left just after its last poll of the CQ is one the tick's
     /// round or the task's next call takes.
-    pub(crate) fn spinning(&self, on: bool) {
-        self.app_spinning.store(on, Ordering::Release);
+    pub(crate) fn spinning(&self) -> Spinning<'_> {
+        self.app_spinning.fetch_add(1, Ordering::AcqRel);
+        Spinning(self)
     }
 
     /// The driver leaves events to parked application tasks (`true`) or
@@ -301,7 +313,8 @@ impl Delegation {
     /// the reader, woken on another worker, usually took the event (and
     /// was no longer parked) by the time the driver looked.
     fn pass(&self) -> bool {
-        if self.app_parked.load(Ordering::Acquire) || self.app_spinning.load(Ordering::Acquire) {
+        if self.app_parked.load(Ordering::Acquire) || self.app_spinning.load(Ordering::Acquire) > 0
+        {
             if self.filtering.load(Ordering::Acquire) {
                 self.left.fetch_add(1, Ordering::AcqRel);
                 return false;
@@ -1189,7 +1202,7 @@ mod tests {
         let (order, d, event) = gate();
         // A spin while not filtering: the first event still wakes the
         // driver and starts filtering (its tick follows).
-        d.spinning(true);
+        let first = d.spinning();
         event(&d);
         assert_eq!(order.lock().unwrap().len(), 1);
         assert!(d.filtering());
@@ -1197,11 +1210,17 @@ mod tests {
         event(&d);
         event(&d);
         assert_eq!((order.lock().unwrap().len(), d.left()), (1, 2));
-        // The spin ended (the reader returned with its data): the next
-        // event wakes the driver again.
-        d.spinning(false);
+        // A second task spins too, and the first one's spin ends: the
+        // second still polls the CQ, so the event is left to it.
+        let second = d.spinning();
+        drop(first);
         event(&d);
-        assert_eq!((order.lock().unwrap().len(), d.left()), (2, 2));
+        assert_eq!((order.lock().unwrap().len(), d.left()), (1, 3));
+        // The last spin ended (the reader returned with its data): the
+        // next event wakes the driver again.
+        drop(second);
+        event(&d);
+        assert_eq!((order.lock().unwrap().len(), d.left()), (2, 3));
         // Left events nobody took from the channel: the tick stops
         // filtering, as for a parked reader that went away.
         d.on_tick();
