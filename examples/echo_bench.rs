@@ -812,6 +812,33 @@ struct Case {
     batch: u64,
 }
 
+impl Case {
+    /// An echoed stream (or TCP) case with the default ring, growth up to
+    /// the default maximum, and `send()` each.
+    fn new(
+        name: &'static str,
+        scheme: &'static str,
+        size: usize,
+        in_flight: usize,
+        runtime: Flavor,
+        wait: &'static str,
+    ) -> Case {
+        Case {
+            name,
+            scheme,
+            size,
+            in_flight,
+            runtime,
+            wait,
+            ring: 65536,
+            max_ring: tokio_rdma::config::DEFAULT_MAX_RING_SIZE,
+            message: false,
+            one_way: false,
+            batch: 1,
+        }
+    }
+}
+
 /// A finished case: the client's `result` fields and the server's CPU.
 struct Outcome {
     p50: f64,
@@ -1151,19 +1178,7 @@ async fn suite(
             server_ip.unwrap_or(ip)
         );
     }
-    let case = |name, scheme, size, in_flight, runtime, wait| Case {
-        name,
-        scheme,
-        size,
-        in_flight,
-        runtime,
-        wait,
-        ring: 65536,
-        max_ring: tokio_rdma::config::DEFAULT_MAX_RING_SIZE,
-        message: false,
-        one_way: false,
-        batch: 1,
-    };
+    let case = Case::new;
     use Flavor::{Current, Multi};
     let latency = [
         case(
@@ -1518,17 +1533,10 @@ where
 {
     use Flavor::{Current, Multi};
     let row = |name, size, batch, runtime| Case {
-        name,
-        scheme: "rdma",
-        size,
-        in_flight: 1,
-        runtime,
-        wait: "adaptive",
-        ring: 65536,
-        max_ring: tokio_rdma::config::DEFAULT_MAX_RING_SIZE,
         message: true,
         one_way: true,
         batch,
+        ..Case::new(name, "rdma", size, 1, runtime, "adaptive")
     };
     let rows = [
         row(
