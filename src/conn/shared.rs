@@ -188,11 +188,18 @@ pub(crate) trait Driven: Send + 'static {
         Self: Sized,
     {
         progress(self);
-        if let Err(e) = self.qp().arm(self.solicited_events_suffice()) {
-            self.fail(e);
+        let solicited_only = self.solicited_events_suffice();
+        match self.qp().arm(solicited_only) {
+            Ok(()) => self.on_armed(solicited_only),
+            Err(e) => self.fail(e),
         }
         progress(self);
     }
+
+    /// The CQ was armed, for solicited events only or for every
+    /// completion (a kind that narrows its arm keeps track of it, to widen
+    /// it again when a task starts waiting on a send completion).
+    fn on_armed(&mut self, _solicited_only: bool) {}
 }
 
 /// One connection: the kind's state behind a mutex, shared by the

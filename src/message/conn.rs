@@ -40,6 +40,18 @@ const FEED_BATCH: usize = 32;
 /// completion comes.
 const POST_AT_ONCE_BELOW: usize = 4;
 
+/// The CQ may be armed for solicited events only while the application
+/// sent at most this many messages since it last took one: requests and
+/// their responses (up to 8 in flight), whose own send completions then
+/// wake nobody. A stream of messages one way keeps every completion
+/// announced, as before: its `send()` defers most messages to the next
+/// completion (86-90 % in the Soft-RoCE guest on the multi-thread
+/// runtime), and narrowing the arm between its bursts, by any rule tried
+/// (arms or sends since the last deferral, sends since the last arm),
+/// measured 0.45-0.9x its message rate on the multi-thread runtime
+/// (benches/README.md, "Messages: solicited events").
+const SENDS_PER_RECEIVE: u32 = 8;
+
 /// A message endpoint's connection: the core's shared connection around a
 /// [`MsgState`].
 pub(crate) type MsgConn = crate::conn::shared::Shared<MsgState>;
@@ -83,6 +95,12 @@ pub(crate) struct MsgState {
     closing: bool,
     /// Waiting for the pool to have memory again.
     need_memory: bool,
+    /// The CQ's last arm was for solicited events only (see
+    /// [`MsgState::widen_arm`]).
+    solicited_armed: bool,
+    /// Messages sent (`send()` or the `Sink`) since the application last
+    /// took one (saturating; see [`SENDS_PER_RECEIVE`]).
+    sends_since_recv: u32,
     scratch: Vec<Completion>,
     /// Reused list of WRs posted together.
     batch: Vec<MsgTransmit>,
@@ -422,6 +440,17 @@ impl MsgState {
         self.quota.release(token);
     }
 
+    /// A task starts waiting on something a send completion may bring
+    /// (room in the send queue, a queued message posted, every message
+    /// taken): if the CQ's last arm was for solicited events only, arm it
+    /// for every completion (then poll, as a completion queued before the
+    /// arm raises no event). One arm per narrowing, not per call.
+    fn widen_arm(&mut self) {
+        if self.solicited_armed {
+            self.progress_and_arm();
+        }
+    }
+
     /// The bound on waiting for the peer.
     pub(crate) fn linger(&self) -> std::time::Duration {
         self.linger
@@ -507,6 +536,43 @@ impl Driven for MsgState {
     fn waiting_for_memory(&self) -> Option<MemoryPool> {
         self.need_memory.then(|| self.pool.clone())
     }
+
+    /// Solicited events (the peer's messages, RTS, CREDIT, DONE, CLOSE,
+    /// ABORT: every SEND of the peer) suffice while the endpoint is healthy
+    /// and nothing waits on one of its own send completions: no task
+    /// waiting for room, posting or messages taken, nothing queued (a
+    /// message `send()` deferred is posted at the next completion), no
+    /// work for a full send queue, RDMA READ in flight, close or abort
+    /// under way ([`MessageCore::awaits_send_completion`]), no keepalive
+    /// probe in flight, no wait for pool memory (a completion may free
+    /// some), and at most [`SENDS_PER_RECEIVE`] messages sent since the
+    /// application last took one (requests and responses, not a stream
+    /// of messages one way). A request's completion then wakes nobody:
+    /// not the task parked for its response, nor the driver (on the
+    /// multi-thread runtime a 64 B ping-pong took 0.56-0.61x the mean:
+    /// benches/README.md, "Messages: solicited events").
+    fn solicited_events_suffice(&self) -> bool {
+        self.alive()
+            && self.senders.is_empty()
+            && self.flushers.is_empty()
+            && self.core.queued() == 0
+            && self.sends_since_recv <= SENDS_PER_RECEIVE
+            && !self.core.awaits_send_completion()
+            && !self.qp.qp_ref().probe_outstanding()
+            && !self.need_memory
+    }
+
+    /// Messages held until their send completes (an eager SEND's buffer,
+    /// a rendezvous whose window is being invalidated) that no event
+    /// announces: the driver's tick polls them, so their memory goes back
+    /// to the pool without waiting for the endpoint's next call.
+    fn needs_tick(&self) -> bool {
+        self.qp.sends_held() > 0 && self.solicited_events_suffice()
+    }
+
+    fn on_armed(&mut self, solicited_only: bool) {
+        self.solicited_armed = solicited_only;
+    }
 }
 
 impl MsgConn {
@@ -563,6 +629,7 @@ impl MsgConn {
                     })
                 }
             };
+            st.sends_since_recv = 0;
             // Taking the message made its slot returnable: credit may be due.
             st.settle();
             return Poll::Ready(match msg {
@@ -612,6 +679,7 @@ impl MsgConn {
             return Poll::Ready(Ok(()));
         }
         st.senders.register(cx.waker());
+        st.widen_arm();
         Poll::Pending
     }
 
@@ -650,6 +718,13 @@ impl MsgConn {
         if at_once || st.core.queued() >= FEED_BATCH {
             st.settle();
         }
+        st.sends_since_recv = st.sends_since_recv.saturating_add(1);
+        if st.core.queued() > 0 && !defer {
+            // Deferred: posted at the next completion, which must raise
+            // an event. (The `Sink` path's flush posts its batch.)
+            st.widen_arm();
+        }
+        self.ensure_tick(&st);
         Ok(())
     }
 
@@ -663,9 +738,11 @@ impl MsgConn {
             return Poll::Ready(Err(e));
         }
         if st.core.queued() == 0 {
+            self.ensure_tick(&st);
             return Poll::Ready(Ok(()));
         }
         st.senders.register(cx.waker());
+        st.widen_arm();
         Poll::Pending
     }
 
@@ -691,6 +768,7 @@ impl MsgConn {
             return Poll::Ready(Err(Error::PeerClosed.into()));
         }
         st.flushers.register(cx.waker());
+        st.widen_arm();
         Poll::Pending
     }
 
@@ -781,6 +859,8 @@ pub(crate) fn start(
         peer_closed: false,
         closing: false,
         need_memory: false,
+        solicited_armed: false,
+        sends_since_recv: 0,
         scratch: Vec::with_capacity(64),
         batch: Vec::with_capacity(64),
     };

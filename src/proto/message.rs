@@ -1140,6 +1140,21 @@ impl MessageCore {
         Ok(())
     }
 
+    /// Whether this side's progress waits on one of its own send-queue
+    /// completions, which a CQ armed for solicited events only does not
+    /// announce: a WR ready to go that finds every send-queue slot taken,
+    /// an RDMA READ in flight (its completion finishes a rendezvous and
+    /// owes a DONE), or a close or abort under way (the runtime disconnects
+    /// once its CLOSE or ABORT completed). A message queued behind the
+    /// peer's credit or a rendezvous slot waits for the peer's CREDIT or
+    /// DONE instead, which are receives.
+    pub fn awaits_send_completion(&self) -> bool {
+        let slot_bound = self.outstanding.len() >= usize::from(self.p.send_queue_depth)
+            && self.next_action_any_slot().is_some();
+        let reads = self.reading.iter().any(|r| r.issued > r.completed);
+        slot_bound || reads || self.close != CloseState::Open || self.local_abort.is_some()
+    }
+
     /// Messages queued and not yet posted.
     pub fn queued(&self) -> usize {
         self.queue.len()

@@ -2055,3 +2055,92 @@ fn credit_never_returns_slots_without_a_posted_buffer() {
     assert_eq!(core.poll_transmit(), None, "nothing left to return");
     assert_eq!(core.stats().credits_sent, 2);
 }
+
+/// What waits on a send-queue completion (a CQ armed for solicited events
+/// only would not announce it): a WR ready for a slot of a full send
+/// queue, a READ in flight, a close or abort under way; not a message in
+/// flight that nothing waits on, nor one queued behind the peer's credit.
+#[test]
+fn awaits_send_completion_exactly_when_progress_needs_one() {
+    let cfg = Cfg {
+        recv_depth: 8,
+        send_queue_depth: 4,
+        eager_max: 100,
+        max_read_len: 4096,
+        signal_interval: 1,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    assert!(!pair.s[A].core.awaits_send_completion(), "idle");
+    // Three SENDs in flight in a queue of four: nothing waits on them.
+    for _ in 0..3 {
+        pair.s[A].send(10).unwrap();
+    }
+    assert_eq!(pair.s[A].post_all(), 3);
+    assert!(!pair.s[A].core.awaits_send_completion());
+    // Two more: one takes the last slot, the other waits for a slot.
+    for _ in 0..2 {
+        pair.s[A].send(10).unwrap();
+    }
+    assert_eq!(pair.s[A].post_all(), 1);
+    assert_eq!(pair.s[A].core.outstanding_wrs(), 4);
+    assert!(pair.s[A].core.awaits_send_completion());
+    // One completion frees a slot: the last message goes.
+    assert_eq!(pair.deliver_all(A), 4);
+    assert!(pair.s[A].complete_one());
+    assert!(!pair.s[A].core.awaits_send_completion());
+    assert_eq!(pair.s[A].post_all(), 1);
+    pair.drive();
+    assert_eq!(pair.s[B].taken, 5);
+    assert!(!pair.s[A].core.awaits_send_completion());
+    assert!(!pair.s[B].core.awaits_send_completion());
+
+    // A rendezvous: B's READ in flight waits on its completion; the RTS
+    // at A waits on B's DONE, a receive.
+    pair.s[A].send(10_000).unwrap();
+    assert_eq!(pair.s[A].post_all(), 1);
+    assert_eq!(pair.deliver_all(A), 1);
+    assert_eq!(pair.s[B].events(), 1);
+    assert!(pair.s[B].answer_alloc());
+    assert!(!pair.s[B].core.awaits_send_completion(), "READ not posted");
+    assert_eq!(pair.s[B].post_all(), 3, "10,000 bytes in 4 KiB READs");
+    assert!(pair.s[B].core.awaits_send_completion());
+    assert!(!pair.s[A].core.awaits_send_completion());
+    assert_eq!(pair.deliver_all(B), 3);
+    for _ in 0..3 {
+        assert!(pair.s[B].complete_one());
+    }
+    assert!(
+        !pair.s[B].core.awaits_send_completion(),
+        "every READ completed"
+    );
+    pair.drive();
+    assert_eq!(pair.s[B].taken, 6);
+    assert!(!pair.s[A].core.awaits_send_completion());
+    assert!(!pair.s[B].core.awaits_send_completion());
+
+    // Messages queued behind the peer's credit wait on its CREDIT.
+    pair.s[B].reading = false;
+    for _ in 0..8 {
+        pair.s[A].send(10).unwrap();
+    }
+    pair.drive();
+    // (The peer's last CONTROL_RESERVE slots are kept for control.)
+    assert_eq!(pair.s[A].core.queued(), usize::from(CONTROL_RESERVE));
+    assert!(!pair.s[A].core.awaits_send_completion());
+    pair.s[B].reading = true;
+    pair.drive();
+    assert_eq!(pair.s[A].core.queued(), 0);
+
+    // A close under way waits on its CLOSE's completion.
+    pair.s[A].core.close();
+    assert!(pair.s[A].core.awaits_send_completion());
+    pair.drive();
+    assert!(pair.s[A].core.close_completed());
+
+    // An abort waits on its ABORT's completion.
+    let mut core = lone();
+    assert!(!core.awaits_send_completion());
+    core.abort(7);
+    assert!(core.awaits_send_completion());
+}
