@@ -205,16 +205,9 @@ enum Cmd {
         /// Read and discard what arrives instead of echoing it (for the
         /// client's `--one-way`). With `--message`, `closed` carries two
         /// more fields: the messages received and the rate at which they
-        /// arrived, messages/s from the last warm-up message (`--warmup`;
-        /// without one, the first) to the last.
+        /// arrived, messages/s from the first to the last.
         #[arg(long)]
         sink: bool,
-        /// With `--message --sink`: messages a connection receives before
-        /// its rate's span starts (the client's `--warmup`: the first
-        /// messages also pay for the pool's first registrations, which a
-        /// perftest run makes before it starts its clock).
-        #[arg(long, default_value_t = 0)]
-        warmup: u64,
         /// Print each closed RDMA stream's `ConnectionStats` (or message
         /// endpoint's `MessageStats`) to stderr.
         #[arg(long)]
@@ -397,13 +390,11 @@ async fn serve(
 /// Echoes every message of every endpoint (the received buffer itself)
 /// until the peer closes, or with `sink` takes and drops each one; prints
 /// what [`serve`] prints, and with `sink` also the messages received and
-/// their rate (messages/s from the last of the first `warmup` messages,
-/// or from the first without a warm-up, to the last).
+/// their rate (messages/s from the first to the last).
 async fn serve_messages(
     addr: TransportAddr,
     cfg: RdmaConfig,
     sink: bool,
-    warmup: u64,
     stats: bool,
 ) -> std::io::Result<()> {
     let cfg = MessageConfig::new().connection(cfg);
@@ -421,11 +412,7 @@ async fn serve_messages(
                 count += 1;
                 if sink {
                     last = Instant::now();
-                    // The span starts at the last warm-up message (or
-                    // the first message): (its number, its arrival).
-                    if count >= warmup.max(1) {
-                        first.get_or_insert((count, last));
-                    }
+                    first.get_or_insert(last);
                 } else if ep.send(msg).await.is_err() {
                     break;
                 }
@@ -435,10 +422,9 @@ async fn serve_messages(
             }
             let _ = ep.close().await;
             if sink {
-                let (timed, span) =
-                    first.map_or((0, 0.0), |(n, f)| (count - n, (last - f).as_secs_f64()));
-                let rate = if timed > 0 && span > 0.0 {
-                    timed as f64 / span
+                let span = first.map_or(0.0, |f| (last - f).as_secs_f64());
+                let rate = if count > 1 && span > 0.0 {
+                    (count - 1) as f64 / span
                 } else {
                     0.0
                 };
@@ -720,13 +706,12 @@ fn main() -> std::process::ExitCode {
             share_cq,
             message,
             sink,
-            warmup,
             stats,
         } => {
             let rt = runtime(flavor);
             let cfg = config(wait, ring_size, max_ring_size, share_cq);
             let served = if message {
-                rt.block_on(serve_messages(addr, cfg, sink, warmup, stats))
+                rt.block_on(serve_messages(addr, cfg, sink, stats))
             } else {
                 rt.block_on(serve(addr, cfg, stats, sink))
             };
@@ -1126,11 +1111,6 @@ async fn run_case(
             &c.max_ring.to_string(),
         ])
         .args(kind_args(c, true))
-        .args(if c.message && c.one_way {
-            vec!["--warmup".to_string(), warmup_for(c, requests).to_string()]
-        } else {
-            Vec::new()
-        })
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -1540,9 +1520,7 @@ async fn suite(
 
 /// The message rows, one way as `ib_send_bw` and `ib_write_bw` run: the
 /// client sends, a `--sink` server takes and drops each message; the rate
-/// is taken at the server, from the client's last warm-up message to its
-/// last (the first messages also pay for the pool's first registrations,
-/// which perftest makes before its clock starts). 64 B with
+/// is taken at the server, from its first message to its last. 64 B with
 /// `send()` each and through the `Sink` in batches of 32 (4 x `requests`
 /// messages) against `ib_send_bw -s 64`'s message rate; 1 MiB
 /// (rendezvous) against `ib_write_bw -s 1048576 -n 200`.
