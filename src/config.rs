@@ -124,9 +124,14 @@ pub enum WaitStrategy {
     /// Soft-RoCE guest a park costs 0.2-2 ms and the limit grows
     /// (benches/README.md, "A spin limit learnt from what a park costs").
     ///
-    /// A wait answered while spinning after `t` sets the budget toward
-    /// `2t`; a parked wait that was answered within the limit raises it to
-    /// twice that wait; a parked wait longer than the limit halves it, and
+    /// A wait answered while spinning sets the budget to the limit (the
+    /// next wait spins for as long as a park costs; spinning only about
+    /// twice the usual wait, as before, parked the waits between that and
+    /// the limit, and in the Soft-RoCE guest the 64 B round trip's mean
+    /// on current_thread was 1.06-1.27x and its p99 1.1-1.3x what it is
+    /// now: benches/README.md, "A wait answered while spinning spins the
+    /// limit next"); a parked wait that was answered within the limit
+    /// raises it to twice that wait; a parked wait longer than the limit halves it, and
     /// below [`MIN_SPIN`] it is 0 (park at once) until a wait within the
     /// limit is seen again, except that one wait in 8 at random then spins
     /// the limit anyway (a probe): two ends of a ping-pong that both park
@@ -135,7 +140,8 @@ pub enum WaitStrategy {
     /// that goes idle spends about twice the limit of CPU time spinning
     /// (the limit, half of it, ... over its next waits), then the limit
     /// per 8 waits; a request/response connection whose peer answers
-    /// within the limit spins about twice its usual wait. Waits of an idle
+    /// within the limit spins until each answer, and a wait that outlasts
+    /// the limit spins the limit before it parks. Waits of an idle
     /// peer (parked longer than `max`) never raise the limit. It does not
     /// spin at all while another connection of the process ended a wait
     /// within the last millisecond: with more than one connection at
@@ -153,8 +159,9 @@ pub enum WaitStrategy {
 /// `.await`s ("no more than 10 to 100 microseconds", tokio's docs on
 /// blocking) and Linux's recommended `net.core.busy_poll` for several
 /// hundred sockets (Documentation/admin-guide/sysctl/net.rst; 50 us for a
-/// few). On a NIC, where a round trip takes a few microseconds, the learnt
-/// budget stays near twice that and the limit only bounds it; in the
+/// few). On a NIC, where a round trip takes a few microseconds, answers
+/// end a spin long before the limit, which bounds only the spin of a wait
+/// that outlasts it; in the
 /// Soft-RoCE guest (a 64 B round trip of raw verbs: 90-180 us) a fixed 100
 /// us limit took the 64 B round trip's mean on the current_thread runtime
 /// to 0.5-0.9x the build that parked at once, where 50 us gave 0.8-1.5x
@@ -391,8 +398,8 @@ impl RdmaConfig {
     /// How a task that found nothing to receive (a stream's `poll_read`, a
     /// message endpoint's `recv`) waits: park on the completion event at
     /// once, spin a fixed budget first, or (default)
-    /// [`WaitStrategy::Adaptive`]: spin about twice the connection's recent
-    /// waits while they stay under a learnt limit (100 us,
+    /// [`WaitStrategy::Adaptive`]: spin up to a learnt limit while the
+    /// connection's waits end within it (100 us,
     /// [`ADAPTIVE_SPIN_START`], growing up to 1,600 us,
     /// [`DEFAULT_SPIN_MAX`], where parking is measured to cost more) and
     /// no other connection of the process is at work, otherwise park at

@@ -280,7 +280,9 @@ impl<D: Driven> Shared<D> {
     /// adaptive limit starts at 100 us and grows past it only where a park
     /// is measured to cost more, see `WaitStrategy::Adaptive`).
     /// It reads the clock once per [`super::spin::POLLS_PER_CLOCK_READ`]
-    /// polls, so it may overshoot the deadline by that many polls.
+    /// polls, so it may overshoot the deadline by that many polls, and
+    /// not when it finds the answer: the wait's end is estimated from its
+    /// readings ([`super::spin::SpinWait::spin_ended`]).
     /// A cooperative spin (one poll per scheduler turn, the task waking
     /// itself) was measured and not kept: for a `block_on` future each turn
     /// costs an eventfd write and an `epoll_wait`, and in the guest it
@@ -306,6 +308,8 @@ impl<D: Driven> Shared<D> {
             st = self.lock();
             progress(&mut st);
         }
+        let found = ready(&st);
+        wait(&mut st).spin_ended(&deadline, found);
         drop(spinning);
         st
     }
