@@ -13,7 +13,7 @@
 //! | offset | size | field        | value                                              |
 //! |-------:|-----:|--------------|----------------------------------------------------|
 //! | 0      | 4    | magic        | [`MAGIC`] = `0x544B_5244` (`"TKRD"`)               |
-//! | 4      | 2    | version      | [`VERSION`] = 6                                    |
+//! | 4      | 2    | version      | [`VERSION`] = 7                                    |
 //! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
 //! | 7      | 1    | flags        | 0 (ignored on receipt)                             |
 //! | 8      | 8    | ring_addr    | byte stream: virtual address of the sender's receive ring; message endpoint: `max_message_len`, bytes, `1..=2^48` |
@@ -53,8 +53,10 @@ pub const MAGIC: u32 = 0x544B_5244;
 /// SENDs) with the solicited-event bit, so a receiver may arm its CQ for
 /// solicited completions only and its own send completions wake nobody;
 /// version 6 lets a byte stream's receive ring grow (the GRANT and SWITCH
-/// messages, [`Imm::Grant`](crate::proto::imm::Imm::Grant)).
-pub const VERSION: u16 = 6;
+/// messages, [`Imm::Grant`](crate::proto::imm::Imm::Grant)); version 7
+/// returns a message endpoint's credit with its EAGER messages (the
+/// immediate's low bits, [`MsgImm::Eager`](crate::proto::message::MsgImm::Eager)).
+pub const VERSION: u16 = 7;
 
 /// Length in bytes of an encoded [`Hello`].
 pub const HELLO_LEN: usize = 32;
@@ -477,7 +479,7 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x06, // version
+                0x00, 0x07, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
@@ -568,13 +570,13 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        for found in [0u16, 1, 2, 3, 4, 5, 7] {
+        for found in [0u16, 1, 2, 3, 4, 5, 6, 8] {
             bytes[4..6].copy_from_slice(&found.to_be_bytes());
             assert_eq!(
                 Hello::decode(&bytes),
                 Err(HandshakeError::UnsupportedVersion {
                     found,
-                    supported: 6
+                    supported: 7
                 })
             );
         }
@@ -669,7 +671,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x06, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x07, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);

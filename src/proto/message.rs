@@ -17,7 +17,7 @@
 //!
 //! | bits 31..29 | type   | bits 28..0                                    | payload                   |
 //! |-------------|--------|-----------------------------------------------|---------------------------|
-//! | `000`       | EAGER  | must be 0                                     | the whole message, `0..=eager_max` bytes |
+//! | `000`       | EAGER  | receive buffers returned with it, `0..=2^29-1` | the whole message, `0..=eager_max` bytes |
 //! | `001`       | RTS    | rendezvous sequence number (mod 2^29)         | [`RTS_HEADER_LEN`] = 20 bytes: length u64, address u64, rkey u32, big-endian |
 //! | `010`       | DONE   | sequence number of the RTS it completes       | none                      |
 //! | `011`       | CREDIT | receive buffers returned, `1..=2^29-1`        | none                      |
@@ -65,8 +65,13 @@
 //! flow control, with nothing lost. Control traffic (CREDIT, DONE) and the
 //! rendezvous READs never depend on the application.
 //!
-//! Credit returns by CREDIT when the returnable slots reach
-//! `T = max(2, recv_depth / 4)`.
+//! Credit returns with the next EAGER (every returnable slot, in its
+//! immediate's low bits), or by CREDIT when the returnable slots reach
+//! `T = max(2, recv_depth / 4)` and no EAGER can go now. So requests and
+//! responses carry each other's credit and a ping-pong sends no CREDIT:
+//! each CREDIT consumed a receive buffer that had to be returned too, and
+//! with `T = 3` (15 buffers posted) each side sent one CREDIT per two
+//! messages (benches/README.md, "Credit with the next EAGER").
 //!
 //! # Why this cannot deadlock
 //!
@@ -91,7 +96,9 @@
 //!    rendezvous is released, and a sender blocked on
 //!    `max_rendezvous_in_flight` gets its DONE.
 //! 4. *Credits do not ping-pong forever:* a CREDIT returns at least `T >= 2`
-//!    slots, so each side sends at most one per two messages received.
+//!    slots, so each side sends at most one per two messages received; an
+//!    EAGER carrying credit is a message the application sent, not one the
+//!    credit caused.
 //! 5. *Send-queue slots come back:* the last WR [`MessageCore::poll_transmit`]
 //!    can produce now is signaled, so every burst ends with a completion that
 //!    releases it.
@@ -181,8 +188,12 @@ const TYPE_CLOSE: u32 = 0b101;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MsgImm {
     /// The receive buffer holds the whole message; its length is the
-    /// completion's `byte_len`.
-    Eager,
+    /// completion's `byte_len`. It returns `credit` receive buffers
+    /// (`0..=`[`MAX_IMM_VALUE`]) as a CREDIT would.
+    Eager {
+        /// Receive buffers returned with the message.
+        credit: u32,
+    },
     /// A rendezvous announcement; the payload is the 20-byte RTS header.
     Rts {
         /// Rendezvous sequence number modulo 2^29, counting from 0.
@@ -215,7 +226,7 @@ impl MsgImm {
     /// bits are truncated to 29 bits, so they never reach the type bits.
     pub fn encode(self) -> u32 {
         let (ty, low) = match self {
-            MsgImm::Eager => (TYPE_EAGER, 0),
+            MsgImm::Eager { credit } => (TYPE_EAGER, credit),
             MsgImm::Rts { seq } => (TYPE_RTS, seq),
             MsgImm::Done { seq } => (TYPE_DONE, seq),
             MsgImm::Credit { count } => (TYPE_CREDIT, count),
@@ -230,16 +241,12 @@ impl MsgImm {
     /// # Errors
     ///
     /// [`MessageError::UnknownType`] for types `110..=111`;
-    /// [`MessageError::BadImm`] for an EAGER or CLOSE with non-zero low
-    /// bits or a CREDIT of 0.
+    /// [`MessageError::BadImm`] for a CLOSE with non-zero low bits or a
+    /// CREDIT of 0.
     pub fn decode(imm: u32) -> Result<MsgImm, MessageError> {
         let low = imm & MAX_IMM_VALUE;
         match imm >> TYPE_SHIFT {
-            TYPE_EAGER if low != 0 => Err(MessageError::BadImm {
-                imm,
-                reason: "EAGER with non-zero low 29 bits",
-            }),
-            TYPE_EAGER => Ok(MsgImm::Eager),
+            TYPE_EAGER => Ok(MsgImm::Eager { credit: low }),
             TYPE_RTS => Ok(MsgImm::Rts { seq: low }),
             TYPE_DONE => Ok(MsgImm::Done { seq: low }),
             TYPE_CREDIT if low == 0 => Err(MessageError::BadImm {
@@ -775,6 +782,8 @@ pub struct MessageStats {
     pub control_sent: u64,
     /// CREDIT messages among them.
     pub credits_sent: u64,
+    /// EAGER messages that carried credit back (no CREDIT needed for it).
+    pub credits_piggybacked: u64,
     /// Control messages received.
     pub control_received: u64,
     /// Times a queued message became blocked on peer credit (at most
@@ -1300,8 +1309,14 @@ impl MessageCore {
     /// Receive buffers the runtime should post beyond those it keeps
     /// posted: non-zero while slots are reserved and the peer's credit as
     /// this side can bound it (`recv_depth` minus the slots held here,
-    /// messages in flight included) is at most `CONTROL_RESERVE + 1`, that
-    /// is the peer is about to block on credit. Then the posted slots
+    /// messages in flight included) is at most one CREDIT's worth (the
+    /// credit threshold, at least `CONTROL_RESERVE + 1`), that is the peer
+    /// may block on credit before the next CREDIT reaches it. (Before
+    /// credit rode on EAGERs, the sender's own CREDITs held slots here and
+    /// made the bound `CONTROL_RESERVE + 1` trip; without them a sender
+    /// whose batches outgrew the posted slots stalled on credit without the
+    /// slots growing: benches/README.md, "Credit with the next EAGER".)
+    /// Then the posted slots
     /// double (at most up to `recv_depth`). Post them, then call
     /// [`grow_recv`](MessageCore::grow_recv).
     pub fn wants_more_recv(&self) -> u16 {
@@ -1309,7 +1324,7 @@ impl MessageCore {
             return 0;
         }
         let peer = u32::from(self.p.recv_depth).saturating_sub(self.unreturned());
-        if peer > u32::from(CONTROL_RESERVE) + 1 {
+        if peer > u32::from(self.credit_threshold().max(CONTROL_RESERVE + 1)) {
             return 0;
         }
         self.reserved.min(self.p.recv_depth - self.reserved)
@@ -1363,6 +1378,10 @@ impl MessageCore {
             return (self.peer_credit >= 1).then_some(Action::Close);
         }
         if let Some(count) = self.credit_due() {
+            if self.eager_can_go() {
+                // It carries the credit.
+                return Some(Action::Eager);
+            }
             if self.peer_credit >= 1 {
                 return Some(Action::Credit(count));
             }
@@ -1384,6 +1403,15 @@ impl MessageCore {
         } else {
             None
         }
+    }
+
+    /// The next queued message is EAGER and the peer's credit lets it go.
+    fn eager_can_go(&self) -> bool {
+        self.peer_credit > CONTROL_RESERVE
+            && self
+                .queue
+                .front()
+                .is_some_and(|m| m.len <= u64::from(self.p.eager_max))
     }
 
     fn next_action(&self) -> Option<Action> {
@@ -1420,7 +1448,9 @@ impl MessageCore {
     ///
     /// Order: ABORT (then nothing else); CLOSE once due (then nothing
     /// else; nothing either after the peer's CLOSE); CREDIT once `max(2, recv_depth/4)`
-    /// slots are returnable; DONE (needs 2 credits); READs of rendezvous
+    /// slots are returnable, unless the next queued message is EAGER and
+    /// can go: then it goes first and carries the credit (every EAGER
+    /// returns every returnable slot); DONE (needs 2 credits); READs of rendezvous
     /// with a destination (no credit needed), in RTS order, in chunks of at
     /// most `max_read_len`; then the next queued message, EAGER or RTS
     /// (needs more than [`CONTROL_RESERVE`] credits; an RTS also a free
@@ -1489,10 +1519,19 @@ impl MessageCore {
                 self.stats.bytes_sent += m.len;
                 self.stats.eager_sent += 1;
                 self.stats.inline_sent += u64::from(inline);
+                // Every returnable slot goes back with it.
+                let credit = self.creditable();
+                self.to_return -= credit;
+                if credit > 0 {
+                    self.stats.credits_piggybacked += 1;
+                }
                 let kind = MsgTransmitKind::Eager {
                     token: m.token,
                     len,
-                    imm: MsgImm::Eager.encode(),
+                    imm: MsgImm::Eager {
+                        credit: u32::from(credit),
+                    }
+                    .encode(),
                     inline,
                 };
                 (kind, WrKind::Eager { token: m.token })
@@ -1675,6 +1714,17 @@ impl MessageCore {
         result
     }
 
+    /// The peer returned `count` receive buffers (a CREDIT, or credit
+    /// carried by an EAGER).
+    fn take_credit(&mut self, count: u32) -> Result<(), MessageError> {
+        let outstanding = self.p.peer_recv_depth - self.peer_credit;
+        if count > u32::from(outstanding) {
+            return Err(MessageError::CreditOverflow { count, outstanding });
+        }
+        self.peer_credit += count as u16;
+        Ok(())
+    }
+
     fn on_recv_inner(
         &mut self,
         imm: u32,
@@ -1696,17 +1746,20 @@ impl MessageCore {
             });
         }
         let msg = MsgImm::decode(imm)?;
-        if !matches!(msg, MsgImm::Eager | MsgImm::Rts { .. }) && byte_len != 0 {
+        if !matches!(msg, MsgImm::Eager { .. } | MsgImm::Rts { .. }) && byte_len != 0 {
             return Err(MessageError::UnexpectedPayload { imm, byte_len });
         }
         let aborted_here = self.local_abort.is_some() || self.lost;
         match msg {
-            MsgImm::Eager => {
+            MsgImm::Eager { credit } => {
                 if byte_len > self.p.eager_max {
                     return Err(MessageError::EagerTooLong {
                         len: byte_len,
                         eager_max: self.p.eager_max,
                     });
+                }
+                if credit > 0 {
+                    self.take_credit(credit)?;
                 }
                 self.stats.eager_received += 1;
                 if aborted_here {
@@ -1802,11 +1855,7 @@ impl MessageCore {
                 Ok(RecvDisposition::Release)
             }
             MsgImm::Credit { count } => {
-                let outstanding = self.p.peer_recv_depth - self.peer_credit;
-                if count > u32::from(outstanding) {
-                    return Err(MessageError::CreditOverflow { count, outstanding });
-                }
-                self.peer_credit += count as u16;
+                self.take_credit(count)?;
                 self.to_return += 1;
                 self.stats.control_received += 1;
                 Ok(RecvDisposition::Release)

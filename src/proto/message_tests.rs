@@ -236,7 +236,7 @@ impl Side {
                 inline,
             } => {
                 assert!(len <= p.eager_max, "{t:?}");
-                assert_eq!(MsgImm::decode(imm), Ok(MsgImm::Eager));
+                assert!(matches!(MsgImm::decode(imm), Ok(MsgImm::Eager { .. })));
                 assert_eq!(inline, len <= p.inline_threshold);
                 let buf = self.bufs.get(&token).expect("EAGER of a live buffer");
                 assert!(buf.len() >= len as usize);
@@ -489,10 +489,15 @@ impl Pair {
             }
             let mut back = 0u64;
             for w in &dst.wire {
-                if let MsgTransmitKind::Control { imm } = w.t.kind {
-                    if let Ok(MsgImm::Credit { count }) = MsgImm::decode(imm) {
-                        back += u64::from(count);
+                match w.t.kind {
+                    MsgTransmitKind::Control { imm } | MsgTransmitKind::Eager { imm, .. } => {
+                        if let Ok(MsgImm::Credit { count } | MsgImm::Eager { credit: count }) =
+                            MsgImm::decode(imm)
+                        {
+                            back += u64::from(count);
+                        }
                     }
+                    _ => {}
                 }
             }
             assert_eq!(
@@ -637,7 +642,9 @@ fn rts_header_and_immediates_have_exact_encodings() {
     );
     assert_eq!(RtsHeader::decode(&bytes), Some(h));
     assert_eq!(RtsHeader::decode(&bytes[..19]), None);
-    assert_eq!(MsgImm::Eager.encode(), 0x0000_0000);
+    assert_eq!(MsgImm::Eager { credit: 0 }.encode(), 0x0000_0000);
+    assert_eq!(MsgImm::Eager { credit: 9 }.encode(), 0x0000_0009);
+    assert_eq!(MsgImm::decode(0x0000_0009), Ok(MsgImm::Eager { credit: 9 }));
     assert_eq!(MsgImm::Rts { seq: 5 }.encode(), 0x2000_0005);
     assert_eq!(MsgImm::Done { seq: MAX_IMM_VALUE }.encode(), 0x5FFF_FFFF);
     assert_eq!(MsgImm::Credit { count: 3 }.encode(), 0x6000_0003);
@@ -896,7 +903,7 @@ fn send_msg(core: &mut MessageCore, token: u64, len: u64) {
 /// keeps the buffer for it.
 fn recv_eager(core: &mut MessageCore, token: u64) {
     assert_eq!(
-        core.on_recv(MsgImm::Eager.encode(), 10, token, &[0; 10]),
+        core.on_recv(MsgImm::Eager { credit: 0 }.encode(), 10, token, &[0; 10]),
         Ok(RecvDisposition::Keep)
     );
 }
@@ -985,13 +992,13 @@ fn bad_input_each_error_aborts_with_its_code() {
             MessageError::UnknownType { imm: 0xFFFF_FFFF },
         ),
         (
-            "eager low bits",
-            0x0000_0001,
+            "EAGER returning credit never lent",
+            MsgImm::Eager { credit: 1 }.encode(),
             1,
             vec![0],
-            MessageError::BadImm {
-                imm: 1,
-                reason: "EAGER with non-zero low 29 bits",
+            MessageError::CreditOverflow {
+                count: 1,
+                outstanding: 0,
             },
         ),
         (
@@ -1674,15 +1681,15 @@ fn exhaustive_small_configurations_never_deadlock() {
     };
     let cases: [(Cfg, Cfg, [&[u64]; 2], usize); 5] = [
         // Rendezvous (3 bytes: 2 READs) between eager messages, one way.
-        (TINY, TINY, [&[1, 3, 0], &[]], 1303),
+        (TINY, TINY, [&[1, 3, 0], &[]], 982),
         // Both ways, a rendezvous each.
         (TINY, TINY, [&[2], &[3]], 6187),
         // Two rendezvous with a bound of 1, and a 1-slot send queue.
-        (sq1, TINY, [&[2, 2], &[1]], 10_658),
+        (sq1, TINY, [&[2, 2], &[1]], 12_151),
         // More messages than credits.
-        (TINY, TINY, [&[0, 1, 0, 1, 0, 1], &[]], 4007),
+        (TINY, TINY, [&[0, 1, 0, 1, 0, 1], &[]], 3498),
         // More messages than the initial credit, growth on the way.
-        (grow, grow, [&[0, 1, 0, 1, 0], &[]], 67_489),
+        (grow, grow, [&[0, 1, 0, 1, 0], &[]], 54_383),
     ];
     for (a, b, msgs, states) in cases {
         assert_eq!(explore(a, b, msgs), states, "{msgs:?}");
@@ -1695,13 +1702,13 @@ fn exhaustive_closing_after_request_and_response() {
     type Case = ([&'static [u64]; 2], [bool; 2], usize);
     let cases: [Case; 4] = [
         // A request and an eager response; the client closes.
-        ([&[1], &[0]], [true, false], 186),
+        ([&[1], &[0]], [true, false], 287),
         // A rendezvous each way; the client closes.
         ([&[3], &[2]], [true, false], 9622),
         // Both close, possibly at once.
-        ([&[1], &[3]], [true, true], 2642),
+        ([&[1], &[3]], [true, true], 3274),
         // More messages than credits, then the receiver closes.
-        ([&[0, 1, 0, 1, 0, 1], &[]], [false, true], 3974),
+        ([&[0, 1, 0, 1, 0, 1], &[]], [false, true], 3956),
     ];
     for (msgs, closers, states) in cases {
         assert_eq!(
@@ -1757,6 +1764,106 @@ fn close_is_the_last_wr_and_ends_the_peer_after_every_message() {
     );
     pair.assert_done();
     pair.assert_conservation();
+}
+
+/// An EAGER carries every returnable slot back, so a due CREDIT waits for
+/// it, and the peer counts that credit as it counts a CREDIT's.
+#[test]
+fn an_eager_message_carries_the_due_credit() {
+    // recv_depth 8, all posted: CREDIT once 2 slots are returnable.
+    let (mut a, mut b) = (lone(), lone());
+    // B sends three messages to A, which takes them.
+    for token in 1..=3 {
+        send_msg(&mut b, 10 + token, 10);
+    }
+    for _ in 0..3 {
+        assert!(matches!(
+            b.poll_transmit().map(|t| t.kind),
+            Some(MsgTransmitKind::Eager { .. })
+        ));
+    }
+    assert_eq!(b.peer_credit(), 5);
+    for token in 1..=3 {
+        recv_eager(&mut a, token);
+        assert!(a.poll_recv().is_some());
+    }
+    // Three slots returnable at A, a CREDIT due, and a message queued: the
+    // message goes first and returns all three.
+    send_msg(&mut a, 100, 10);
+    let t = a.poll_transmit().expect("the EAGER");
+    let MsgTransmitKind::Eager {
+        token, len, imm, ..
+    } = t.kind
+    else {
+        panic!("not an EAGER: {t:?}");
+    };
+    assert_eq!((token, len), (100, 10));
+    assert_eq!(MsgImm::decode(imm), Ok(MsgImm::Eager { credit: 3 }));
+    assert_eq!(a.poll_transmit(), None, "no CREDIT: the EAGER returned it");
+    assert_eq!(
+        (a.stats().credits_sent, a.stats().credits_piggybacked),
+        (0, 1)
+    );
+    assert_eq!(a.unreturned(), 0);
+    // B takes the message and the credit.
+    assert_eq!(b.on_recv(imm, 10, 50, &[0; 10]), Ok(RecvDisposition::Keep));
+    assert_eq!(b.peer_credit(), 8);
+    // The next EAGER of A has nothing to return.
+    send_msg(&mut a, 101, 10);
+    let t = a.poll_transmit().expect("the EAGER");
+    assert!(matches!(
+        t.kind,
+        MsgTransmitKind::Eager { imm, .. } if imm == MsgImm::Eager { credit: 0 }.encode()
+    ));
+    assert_eq!(a.stats().credits_piggybacked, 1);
+}
+
+/// The posted receive buffers grow once the peer's credit, as this side
+/// can bound it, is down to one CREDIT's worth (the credit threshold, 7
+/// with 30 buffers posted), not only to `CONTROL_RESERVE + 1`.
+#[test]
+fn posted_buffers_grow_at_one_credits_worth() {
+    let cfg = Cfg {
+        recv_depth: 128,
+        recv_initial: 15,
+        ..Cfg::default()
+    };
+    let mut core = MessageCore::new(params(cfg, cfg)).unwrap();
+    assert_eq!(core.recv_posted(), 15);
+    let mut token = 0;
+    // 15 posted, threshold 3: growth at a bound of 3.
+    while core.wants_more_recv() == 0 {
+        token += 1;
+        recv_eager(&mut core, token);
+    }
+    assert_eq!(128 - core.unreturned(), 3);
+    assert_eq!(core.wants_more_recv(), 15);
+    core.grow_recv(15);
+    assert_eq!(core.recv_posted(), 30);
+    // The application takes them all; a CREDIT returns them.
+    while core.poll_recv().is_some() {}
+    let t = core.poll_transmit().expect("CREDIT");
+    assert_eq!(
+        t.kind,
+        MsgTransmitKind::Control {
+            imm: MsgImm::Credit { count: 27 }.encode()
+        }
+    );
+    // 30 posted, threshold 7: no growth until the bound is down to 7.
+    let mut bounds = Vec::new();
+    loop {
+        let bound = 128 - core.unreturned();
+        let want = core.wants_more_recv();
+        assert_eq!(want, if bound <= 7 { 30 } else { 0 }, "bound {bound}");
+        bounds.push(bound);
+        if want > 0 {
+            break;
+        }
+        token += 1;
+        recv_eager(&mut core, token);
+    }
+    assert_eq!(bounds.first(), Some(&30));
+    assert_eq!(bounds.last(), Some(&7));
 }
 
 /// A CREDIT due when CLOSE is ready is not sent: a closing side needs no
@@ -2016,7 +2123,7 @@ fn arbitrary_peer_input_is_accepted_or_rejected_with_the_right_abort() {
 fn credit_never_returns_slots_without_a_posted_buffer() {
     // recv_depth 8: CREDIT once 2 slots are returnable.
     let mut core = lone();
-    let eager = MsgImm::Eager.encode();
+    let eager = MsgImm::Eager { credit: 0 }.encode();
     for token in 1..=4 {
         recv_eager(&mut core, token);
     }
