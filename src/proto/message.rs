@@ -313,7 +313,7 @@ impl RtsHeader {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum MessageError {
-    /// A malformed immediate: an EAGER or CLOSE with non-zero low bits or
+    /// A malformed immediate: a CLOSE with non-zero low bits or
     /// a CREDIT returning 0 buffers.
     #[error("invalid message immediate {imm:#010x}: {reason}")]
     BadImm {
