@@ -609,46 +609,41 @@ mod tests {
         assert_eq!(d.estimated_end(start, None), Some(start + us(40)));
     }
 
+    /// Begins a wait of `w` and spins it `calls` polls (1 us each, no
+    /// deadline reached), ended with `found`; returns the clock reads.
+    fn spin_wait(w: &mut SpinWait, calls: u32, found: bool) -> u32 {
+        w.begin().expect("the wait spins");
+        let start = w.started().expect("a wait began");
+        let mut d = SpinDeadline::new(start + Duration::from_secs(3600));
+        let reads = spin_calls(&mut d, start, calls);
+        w.spin_ended(&d, found);
+        reads
+    }
+
     #[test]
     fn a_wait_a_spin_answered_learns_the_spins_estimate() {
         let hour = Duration::from_secs(3600);
         let mut w = SpinWait::with_recent(WaitStrategy::Adaptive { max: hour }, private_recent());
         // A spin too short to read the clock, with no pace known yet: the
         // wait's end is read (some real time, not asserted).
-        let deadline = w.begin().expect("an adaptive wait spins first");
-        let start = w.started().expect("a wait began");
-        let mut d = SpinDeadline::new(deadline);
-        assert_eq!(spin_calls(&mut d, start, 5), 0);
-        w.spin_ended(&d, true);
+        assert_eq!(spin_wait(&mut w, 5, true), 0);
         assert_eq!(w.current.map(|c| c.spun_end), Some(None));
         w.ready();
         assert_eq!((w.spin_hits, w.parks), (1, 0));
         // A spin that read the clock: its estimate, 21 us.
         w.learnt = SpinBudget::new(us(100), hour, 1);
-        w.begin().expect("spins");
-        let start = w.started().expect("a wait began");
-        let mut d = SpinDeadline::new(start + hour);
-        spin_calls(&mut d, start, 21);
-        w.spin_ended(&d, true);
+        assert_eq!(spin_wait(&mut w, 21, true), 1);
         w.ready();
         assert_eq!(w.learnt.spun_mean, Some(us(21)));
         // A short spin now goes by that spin's pace (1 us per poll): 5 us,
         // the mean moves 1/8 of the way: 21 - 2 = 19 us.
-        w.begin().expect("spins");
-        let start = w.started().expect("a wait began");
-        let mut d = SpinDeadline::new(start + hour);
-        spin_calls(&mut d, start, 5);
-        w.spin_ended(&d, true);
+        assert_eq!(spin_wait(&mut w, 5, true), 0);
         w.ready();
         assert_eq!(w.learnt.spun_mean, Some(us(19)));
         assert_eq!((w.spin_hits, w.parks), (3, 0));
         // A spin that ran out and parked: the wait's end is read when it
         // is ready (a parked sample, not the spin's estimate).
-        w.begin().expect("spins");
-        let start = w.started().expect("a wait began");
-        let mut d = SpinDeadline::new(start + hour);
-        spin_calls(&mut d, start, 21);
-        w.spin_ended(&d, false);
+        spin_wait(&mut w, 21, false);
         assert_eq!(w.current.map(|c| c.spun_end), Some(None));
         w.parking();
         w.ready();

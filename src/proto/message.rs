@@ -1392,17 +1392,14 @@ impl MessageCore {
         if self.read_target().is_some() {
             return Some(Action::Read);
         }
-        let front = self.queue.front()?;
-        if self.peer_credit <= CONTROL_RESERVE {
-            return None;
+        if self.eager_can_go() {
+            return Some(Action::Eager);
         }
-        if front.len <= u64::from(self.p.eager_max) {
-            Some(Action::Eager)
-        } else if self.rts_outstanding.len() < usize::from(self.p.max_rendezvous_in_flight) {
-            Some(Action::Rts)
-        } else {
-            None
-        }
+        // The front message, if any, is a rendezvous or short of credit.
+        let rts_can_go = self.peer_credit > CONTROL_RESERVE
+            && !self.queue.is_empty()
+            && self.rts_outstanding.len() < usize::from(self.p.max_rendezvous_in_flight);
+        rts_can_go.then_some(Action::Rts)
     }
 
     /// The next queued message is EAGER and the peer's credit lets it go.
