@@ -130,7 +130,14 @@ pub enum WaitStrategy {
     /// the limit, and in the Soft-RoCE guest the 64 B round trip's mean
     /// on current_thread was 1.06-1.27x and its p99 1.1-1.3x what it is
     /// now: benches/README.md, "A wait answered while spinning spins the
-    /// limit next"); a parked wait that was answered within the limit
+    /// limit next"), unless the runtime has tasks other than this crate's
+    /// own and the waiting one: then it moves the budget toward twice
+    /// that wait (up to it at once, or halfway down to it), so the wait
+    /// parks and lets them run soon (a task the spinner woke, such as the
+    /// writer half of a pipelined exchange, cannot run while it spins:
+    /// the 8 KiB x 8 echo of `echo_bench` ran 0.73-0.76x as many requests
+    /// per second spinning to the limit, benches/README.md, "A long spin
+    /// holds up the writer of a pipelined exchange"); a parked wait that was answered within the limit
     /// raises it to twice that wait; a parked wait longer than the limit halves it, and
     /// below [`MIN_SPIN`] it is 0 (park at once) until a wait within the
     /// limit is seen again, except that one wait in 8 at random then spins

@@ -57,6 +57,7 @@ pub mod pool;
 pub(crate) mod proto;
 pub mod stats;
 mod stream;
+mod tasks;
 pub mod transport;
 #[allow(unsafe_code)]
 pub mod verbs;

@@ -161,17 +161,26 @@ impl SpinBudget {
     /// nothing to the moment it had something; `parked` if it parked on
     /// the completion event meanwhile (`waited` then includes the wake-up).
     pub(crate) fn record(&mut self, waited: Duration, parked: bool) {
-        self.learn(waited, parked, true);
+        self.learn(waited, parked, true, false);
+    }
+
+    /// A wait answered while spinning on a runtime that has other tasks
+    /// besides the crate's own and the waiting task
+    /// ([`crate::tasks::other_tasks_on_runtime`]): the next wait spins about twice this
+    /// one, not the limit, since a longer spin holds up tasks that the
+    /// answer may wait for.
+    pub(crate) fn record_spun_shared(&mut self, waited: Duration) {
+        self.learn(waited, false, true, true);
     }
 
     /// A wait that parked at once because other connections were at work:
     /// teaches the budget as a parked wait, but is no sample of what a
     /// park costs (it did not try spinning).
     pub(crate) fn record_contended(&mut self, waited: Duration) {
-        self.learn(waited, true, false);
+        self.learn(waited, true, false, false);
     }
 
-    fn learn(&mut self, waited: Duration, parked: bool, sample: bool) {
+    fn learn(&mut self, waited: Duration, parked: bool, sample: bool, shared: bool) {
         if self.max.is_zero() {
             return;
         }
@@ -184,7 +193,17 @@ impl SpinBudget {
             self.fresh_parked = true;
         }
         let twice = waited.saturating_mul(2).clamp(MIN_SPIN, self.limit);
-        if !parked {
+        if !parked && shared {
+            // Other tasks share the thread: spin about twice the usual
+            // wait, then park and let them run (a task this one woke, such
+            // as the writer of a pipelined exchange, cannot run while it
+            // spins). Up to twice this wait at once, or halfway down to it.
+            self.budget = if twice > self.budget {
+                twice
+            } else {
+                ((self.budget + twice) / 2).max(MIN_SPIN).min(self.limit)
+            };
+        } else if !parked {
             // Answered while spinning (a probe's answer too): the next wait
             // spins the limit, what a park costs (the ski-rental rule).
             // Spinning only about twice the usual wait, as before, parked
@@ -530,6 +549,8 @@ impl SpinWait {
                 let waited = now.saturating_duration_since(w.start);
                 if w.contended {
                     self.learnt.record_contended(waited);
+                } else if !w.parked && crate::tasks::other_tasks_on_runtime() {
+                    self.learnt.record_spun_shared(waited);
                 } else {
                     self.learnt.record(waited, w.parked);
                 }
@@ -650,6 +671,53 @@ mod tests {
         assert_eq!((w.spin_hits, w.parks), (3, 1));
         assert_eq!(w.learnt.spun_mean, Some(us(19)));
         assert!(w.learnt.parked_mean.is_some());
+    }
+
+    #[test]
+    fn with_other_tasks_on_the_runtime_a_spun_wait_teaches_twice_itself() {
+        let mut b = SpinBudget::new(us(400), us(400), 1);
+        assert_eq!(b.budget(), us(400));
+        // Answered after 30 us: halfway down from 400 to 60 us.
+        b.record_spun_shared(us(30));
+        assert_eq!(b.budget(), us(230));
+        b.record_spun_shared(us(30));
+        assert_eq!(b.budget(), us(145));
+        // Answered after 100 us, past half the budget: up to 200 us at once.
+        b.record_spun_shared(us(100));
+        assert_eq!(b.budget(), us(200));
+        // Never past the limit.
+        b.record_spun_shared(us(300));
+        assert_eq!(b.budget(), us(400));
+        // Alone on the runtime again: the limit after every spun wait.
+        b.record_spun_shared(us(10));
+        assert_eq!(b.budget(), us(210));
+        b.record(us(10), false);
+        assert_eq!(b.budget(), us(400));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn other_tasks_count_and_the_crates_own_do_not() {
+        use crate::tasks::{OwnTask, other_tasks_on_runtime};
+        assert!(!other_tasks_on_runtime(), "no task yet");
+        let own = OwnTask::new();
+        let task = tokio::spawn(std::future::pending::<()>());
+        assert!(
+            !other_tasks_on_runtime(),
+            "the one task alive is counted as the crate's"
+        );
+        drop(own);
+        assert!(other_tasks_on_runtime());
+        task.abort();
+        assert!(task.await.unwrap_err().is_cancelled());
+        assert!(!other_tasks_on_runtime());
+        // Inside a task, the task itself does not count.
+        let inner = tokio::spawn(async { other_tasks_on_runtime() });
+        assert!(!inner.await.unwrap());
+    }
+
+    #[test]
+    fn outside_a_runtime_no_other_tasks() {
+        assert!(!crate::tasks::other_tasks_on_runtime());
     }
 
     #[test]
