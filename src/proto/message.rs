@@ -1755,9 +1755,7 @@ impl MessageCore {
                         eager_max: self.p.eager_max,
                     });
                 }
-                if credit > 0 {
-                    self.take_credit(credit)?;
-                }
+                self.take_credit(credit)?;
                 self.stats.eager_received += 1;
                 if aborted_here {
                     self.to_return += 1;
