@@ -528,6 +528,7 @@ async fn drive<D: Driven>(
                 tick_at = None;
                 if let Some(d) = &delegation {
                     d.on_tick();
+                    cq_events.take_left();
                 }
             }
             _ = async {

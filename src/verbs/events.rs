@@ -185,15 +185,17 @@ fn dedicated_budget() -> usize {
 /// which leaves the event to that task (`app_parked`) while
 /// the driver filters ([`Delegation::set_filtering`]).
 ///
-/// Filtering starts at an event that finds a reader parked (the gate turns
-/// it on and still wakes the driver for that one, see `Delegation::pass`),
-/// and while it is on the driver looks at the connection every
-/// [`DELEGATION_TICK`] ([`Delegation::on_tick`]): it stops after a tick in
-/// which no event was left and no read found data (the connection went
-/// idle: no timer then), and after one whose left events no reader took (a
-/// reader whose future was dropped while parked never takes them; the
-/// tick's round does, and the stale parked flag is forgotten). So nothing
-/// waits on a reader that is gone for longer than about two ticks.
+/// Filtering starts at an event that finds a reader parked or spinning
+/// (the gate turns it on and still wakes the driver for that one, see
+/// `Delegation::pass`), and while it is on the driver looks at the
+/// connection every [`DELEGATION_TICK`] ([`Delegation::on_tick`]), taking
+/// the events left since ([`CqEvents::take_left`]): it stops after a tick
+/// in which no reader took an event and no read found data (the
+/// connection went idle: no timer then). Left events that no reader took
+/// mean a reader whose future was dropped while parked (it never takes
+/// them; the tick's round polls the CQ), and the stale parked flag is
+/// forgotten at that tick. So nothing waits on a reader that is gone for
+/// longer than about two ticks.
 #[derive(Default)]
 pub(crate) struct Delegation {
     /// An application task is registered for the CQ's next event.
@@ -278,14 +280,21 @@ impl Delegation {
         self.filtering.load(Ordering::Acquire)
     }
 
-    /// The driver's tick while filtering: it goes on filtering if events
-    /// were left to application tasks since the last tick and one of them
-    /// was taken, or if none was left but a reader found work (a spin
-    /// answered it: the connection is busy). Otherwise it stops (the next
-    /// event wakes it again): after a tick in which nothing happened the
-    /// connection is idle, and one whose left events nobody took has a
-    /// stale parked reader (its read was dropped while parked), which is
-    /// forgotten.
+    /// The driver's tick while filtering: it goes on filtering if an
+    /// application task took one of the events left since the last tick,
+    /// or a reader found work (a spin answered it: the connection is
+    /// busy, and a spinning reader takes no event, it polls the CQ).
+    /// Otherwise it stops (the next event wakes it again): after a tick
+    /// in which nothing happened the connection is idle. Events left that
+    /// nobody took mean a stale parked reader (its read was dropped while
+    /// parked), which is forgotten either way.
+    ///
+    /// (Stopping whenever left events went untaken, as before, turned
+    /// filtering off at every tick under a spinning reader: its next event
+    /// woke the driver, which on the multi-thread runtime met the reader
+    /// on the connection's lock, 0.13 driver wake-ups and 0.1 lock waits
+    /// per 64 B round trip of a `block_on` client: benches/README.md,
+    /// "The driver's wake-ups under a spinning reader".)
     pub(crate) fn on_tick(&self) {
         let now = self.left.load(Ordering::Acquire);
         let left = self.left_at_tick.swap(now, Ordering::AcqRel) != now;
@@ -294,7 +303,7 @@ impl Delegation {
         if left && !taken {
             self.app_parked.store(false, Ordering::Release);
         }
-        if !(if left { taken } else { reading }) {
+        if !(taken || reading) {
             self.set_filtering(false);
         }
     }
@@ -430,6 +439,19 @@ impl CqEvents {
                 std::future::poll_fn(|cx| signal.poll_take(cx, true)).await;
                 Ok(())
             }
+        }
+    }
+
+    /// For the driver's tick: takes the events left to application tasks
+    /// since (they announce nothing the tick's round does not poll for),
+    /// so the driver's next wait does not return at once for them and run
+    /// a second round. A no-op on the runtime's shared channel.
+    pub(crate) fn take_left(&self) {
+        if let CqEvents::Own { fd, .. } = self
+            && let Some(Ok(mut guard)) = futures::FutureExt::now_or_never(fd.readable())
+        {
+            drain(fd.get_ref().0.as_ref(), |_| {});
+            guard.clear_ready();
         }
     }
 
@@ -1222,10 +1244,44 @@ mod tests {
         drop(second);
         event(&d);
         assert_eq!((order.lock().unwrap().len(), d.left()), (2, 3));
-        // Left events nobody took from the channel: the tick stops
-        // filtering, as for a parked reader that went away.
+        // Left events nobody took from the channel and no read found
+        // work: the tick stops filtering, as for a parked reader that went
+        // away.
         d.on_tick();
         assert!(!d.filtering());
         assert!(!d.app_parked());
+    }
+
+    #[test]
+    fn a_tick_goes_on_filtering_while_spins_find_work_with_left_events_untaken() {
+        let (order, d, event) = gate();
+        let spin = d.spinning();
+        event(&d);
+        assert!(d.filtering());
+        event(&d);
+        event(&d);
+        drop(spin);
+        assert_eq!((order.lock().unwrap().len(), d.left()), (1, 2));
+        // The spin found the reader's data (it polls the CQ and takes no
+        // event): the connection is busy, the driver goes on filtering,
+        // and the next spin's events are left to it without a wake-up.
+        d.unpark();
+        d.on_tick();
+        assert!(d.filtering());
+        let spin = d.spinning();
+        event(&d);
+        drop(spin);
+        assert_eq!((order.lock().unwrap().len(), d.left()), (1, 3));
+        // A stale parked flag is forgotten all the same.
+        d.unpark();
+        d.app_parked.store(true, Ordering::Release);
+        d.on_tick();
+        assert!(d.filtering());
+        assert!(!d.app_parked());
+        // A tick with nothing left, taken or read: idle, it stops.
+        d.on_tick();
+        assert!(!d.filtering());
+        event(&d);
+        assert_eq!((order.lock().unwrap().len(), d.left()), (2, 3));
     }
 }
