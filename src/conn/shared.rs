@@ -485,7 +485,7 @@ async fn drive<D: Driven>(
             // Completions: progress at the top of the loop. (An event that
             // came while a reader was parked on the CQ turned filtering on
             // at the gate: the next ones are left to the reader.)
-            r = cq_events.take_as_driver() => {
+            r = cq_events.take_as_driver(ticking) => {
                 if r.is_err() {
                     shared.lock().fail(Error::Internal("the completion channel left the reactor".into()));
                     break;
@@ -512,12 +512,13 @@ async fn drive<D: Driven>(
                 Err(source) => shared.lock().fail(Error::Verbs { op: "rdma_get_cm_event", source }),
             },
             _ = shared.notify.notified() => {}
-            // Leaving events to a parked reader, send completions due
-            // that no event announces, or bytes a reader left in the ring:
-            // look at the connection every tick (progress at the top of
-            // the loop). Take every event again after a tick that left
-            // none (idle: no more ticks) or whose left events no reader
-            // took (a read dropped while parked).
+            // Leaving events to a parked or spinning reader, send
+            // completions due that no event announces, or bytes a reader
+            // left in the ring: look at the connection every tick
+            // (progress at the top of the loop). Take every event again
+            // after a tick in which no reader took an event and no read
+            // found data (idle, or a read dropped while parked: no more
+            // ticks).
             _ = async {
                 match tick_deadline {
                     Some(d) => tokio::time::sleep_until(d).await,

@@ -417,8 +417,18 @@ impl CqEvents {
     }
 
     /// The driver's wait for the next event (woken after the application
-    /// tasks). Errors: the channel left the reactor (its runtime is gone).
-    pub(crate) async fn take_as_driver(&self) -> io::Result<()> {
+    /// tasks). `ticking`: the driver waits with its tick. Errors: the
+    /// channel left the reactor (its runtime is gone).
+    ///
+    /// Returns without taking an event when filtering began after the
+    /// driver decided not to tick: a gate wake-up the reactor had taken
+    /// before the driver last looked runs [`Delegation::pass`] late, which
+    /// turns filtering on and wakes the driver, but finds the driver's
+    /// wait already registered again. Without this the driver would wait
+    /// without its tick while events are left, and a stale parked reader
+    /// (its read dropped while parked) would keep every later event from
+    /// it. Back at the top of its loop the driver starts the tick.
+    pub(crate) async fn take_as_driver(&self, ticking: bool) -> io::Result<()> {
         match self {
             // The reactor's waiter list, not the `poll_read_ready` slot,
             // which keeps one task: the reader's.
@@ -426,13 +436,21 @@ impl CqEvents {
                 // Registered through the gate (see [`Delegation`]).
                 let gate = Waker::from(Arc::clone(delegation));
                 let mut readable = std::pin::pin!(fd.readable());
-                let mut guard = std::future::poll_fn(|cx| {
+                let ready = std::future::poll_fn(|cx| {
                     *lock(&delegation.driver) = Some(cx.waker().clone());
-                    readable.as_mut().poll(&mut Context::from_waker(&gate))
+                    if !ticking && delegation.filtering() {
+                        return Poll::Ready(Ok(None));
+                    }
+                    readable
+                        .as_mut()
+                        .poll(&mut Context::from_waker(&gate))
+                        .map(|r| r.map(Some))
                 })
                 .await?;
-                drain(fd.get_ref().0.as_ref(), |_| {});
-                guard.clear_ready();
+                if let Some(mut guard) = ready {
+                    drain(fd.get_ref().0.as_ref(), |_| {});
+                    guard.clear_ready();
+                }
                 Ok(())
             }
             CqEvents::Shared { signal, .. } => {
