@@ -137,8 +137,9 @@ pub enum WaitStrategy {
     /// writer half of a pipelined exchange, cannot run while it spins:
     /// the 8 KiB x 8 echo of `echo_bench` ran 0.73-0.76x as many requests
     /// per second spinning to the limit, benches/README.md, "A long spin
-    /// holds up the writer of a pipelined exchange"); a parked wait that was answered within the limit
-    /// raises it to twice that wait; a parked wait longer than the limit halves it, and
+    /// holds up the writer of a pipelined exchange"); a parked wait that
+    /// was answered within the limit raises it to twice that wait; a
+    /// parked wait longer than the limit halves it, and
     /// below [`MIN_SPIN`] it is 0 (park at once) until a wait within the
     /// limit is seen again, except that one wait in 8 at random then spins
     /// the limit anyway (a probe): two ends of a ping-pong that both park

@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 static OWN_TASKS: AtomicUsize = AtomicUsize::new(0);
 
 /// Counts one of the crate's own tasks (a connection driver, a listener
-/// loop, a completion-channel dispatcher) while it lives (see [`other_tasks_on_runtime`]).
+/// loop, a completion-channel dispatcher) while it lives (see
+/// [`other_tasks_on_runtime`]).
 #[derive(Debug)]
 pub(crate) struct OwnTask(());
 

@@ -108,6 +108,19 @@ fn running_mean(mean: Option<Duration>, sample: Duration) -> Duration {
     }
 }
 
+/// How a wait ended, for [`SpinBudget::learn`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    /// Answered while spinning.
+    Spun,
+    /// Answered while spinning, with other tasks on the runtime.
+    SpunShared,
+    /// Parked on the completion event (a sample of what a park costs).
+    Parked,
+    /// Parked at once because other connections were at work (no sample).
+    Contended,
+}
+
 impl SpinBudget {
     /// Starts with budget and limit at `start` (or `max` if lower): a
     /// fresh connection spins its first wait that long. A `max` below
@@ -161,39 +174,41 @@ impl SpinBudget {
     /// nothing to the moment it had something; `parked` if it parked on
     /// the completion event meanwhile (`waited` then includes the wake-up).
     pub(crate) fn record(&mut self, waited: Duration, parked: bool) {
-        self.learn(waited, parked, true, false);
+        let how = if parked { Ended::Parked } else { Ended::Spun };
+        self.learn(waited, how);
     }
 
     /// A wait answered while spinning on a runtime that has other tasks
     /// besides the crate's own and the waiting task
-    /// ([`crate::tasks::other_tasks_on_runtime`]): the next wait spins about twice this
-    /// one, not the limit, since a longer spin holds up tasks that the
-    /// answer may wait for.
+    /// ([`crate::tasks::other_tasks_on_runtime`]): the next wait spins
+    /// about twice this one, not the limit, since a longer spin holds up
+    /// tasks that the answer may wait for.
     pub(crate) fn record_spun_shared(&mut self, waited: Duration) {
-        self.learn(waited, false, true, true);
+        self.learn(waited, Ended::SpunShared);
     }
 
     /// A wait that parked at once because other connections were at work:
     /// teaches the budget as a parked wait, but is no sample of what a
     /// park costs (it did not try spinning).
     pub(crate) fn record_contended(&mut self, waited: Duration) {
-        self.learn(waited, true, false, false);
+        self.learn(waited, Ended::Contended);
     }
 
-    fn learn(&mut self, waited: Duration, parked: bool, sample: bool, shared: bool) {
+    fn learn(&mut self, waited: Duration, how: Ended) {
         if self.max.is_zero() {
             return;
         }
+        let parked = matches!(how, Ended::Parked | Ended::Contended);
         if !parked {
             self.spun_mean = Some(running_mean(self.spun_mean, waited));
             self.fresh_spun = true;
             self.spun_near_limit |= waited > self.limit / 2;
-        } else if sample && waited <= self.max {
+        } else if how == Ended::Parked && waited <= self.max {
             self.parked_mean = Some(running_mean(self.parked_mean, waited));
             self.fresh_parked = true;
         }
         let twice = waited.saturating_mul(2).clamp(MIN_SPIN, self.limit);
-        if !parked && shared {
+        if how == Ended::SpunShared {
             // Other tasks share the thread: spin about twice the usual
             // wait, then park and let them run (a task this one woke, such
             // as the writer of a pipelined exchange, cannot run while it
@@ -203,7 +218,7 @@ impl SpinBudget {
             } else {
                 ((self.budget + twice) / 2).max(MIN_SPIN).min(self.limit)
             };
-        } else if !parked {
+        } else if how == Ended::Spun {
             // Answered while spinning (a probe's answer too): the next wait
             // spins the limit, what a park costs (the ski-rental rule).
             // Spinning only about twice the usual wait, as before, parked
