@@ -1294,6 +1294,85 @@ async fn a_read_dropped_while_parked_leaves_progress_to_the_driver() {
     assert!(all == bulk, "the bytes arrived changed");
 }
 
+/// A reader woken by an event that finds its data leaves the CQ unarmed,
+/// and a driver that leaves events to it does not arm either: when that
+/// reader then stops reading, the driver still takes over within its
+/// ticks. The server's last parked read is answered (one byte), then it
+/// reads nothing while the client writes 16 rings' worth, which completes
+/// only if the server's driver drains it into process memory and credits
+/// it back, and every byte arrives intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_stops_after_a_parked_read_leaves_progress_to_the_driver() {
+    const RING: usize = 8192;
+    const BULK: usize = 16 * RING;
+    let cfg = RdmaConfig::new()
+        .ring_size(RING as u32)
+        .recv_buffer_limit(1 << 20)
+        .wait_strategy(WaitStrategy::Park);
+    let l = bind(&cfg).await;
+    let addr = l.local_addr().unwrap();
+    let (echoed_tx, echoed_rx) = tokio::sync::oneshot::channel::<()>();
+    let (read_tx, read_rx) = tokio::sync::oneshot::channel::<()>();
+    let (sent_tx, sent_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await?;
+        // Echo pings until the driver leaves events to the reader.
+        let mut buf = [0u8; 64];
+        loop {
+            s.read_exact(&mut buf).await?;
+            let delegated = s.stats().events_left_to_reader > 0;
+            buf[0] = u8::from(delegated);
+            s.write_all(&buf).await?;
+            if delegated {
+                break;
+            }
+        }
+        echoed_tx.send(()).expect("the client waits");
+        // Parked (nothing sent yet), then answered by one byte.
+        let mut one = [0u8; 1];
+        s.read_exact(&mut one).await?;
+        assert_eq!(one, [9]);
+        read_tx.send(()).expect("the client waits");
+        sent_rx.await.expect("the client wrote");
+        let mut all = Vec::new();
+        s.read_to_end(&mut all).await?;
+        Ok::<_, io::Error>(all)
+    });
+    let client_cfg = cfg.clone().send_buffer_size(4096);
+    let mut c = RdmaStream::connect_with(addr, &client_cfg).await.unwrap();
+    let mut back = [0u8; 64];
+    let mut pings = 0u32;
+    loop {
+        c.write_all(&[0u8; 64]).await.unwrap();
+        c.read_exact(&mut back).await.unwrap();
+        pings += 1;
+        if back[0] == 1 {
+            break;
+        }
+        assert!(
+            pings < 10_000,
+            "the server's driver never left an event to its reader"
+        );
+    }
+    echoed_rx.await.expect("the server echoed");
+    // Let the server's read park first.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    c.write_all(&[9]).await.unwrap();
+    read_rx.await.expect("the server read its byte");
+    let bulk: Vec<u8> = (0..BULK as u64).map(|i| pattern(78, i)).collect();
+    // Without the driver's rounds the server's ring stays full after the
+    // first 8 KiB and this write never completes.
+    tokio::time::timeout(Duration::from_secs(30), c.write_all(&bulk))
+        .await
+        .expect("the server's driver drained and credited without a read")
+        .expect("write");
+    sent_tx.send(()).expect("the server waits");
+    c.shutdown().await.unwrap();
+    let all = server.await.unwrap().expect("server");
+    assert_eq!(all.len(), BULK);
+    assert!(all == bulk, "the bytes arrived changed");
+}
+
 // ---- Receive rings that grow under bulk -------------------------------------
 
 /// Writes `len` pattern bytes in 64 KiB writes and closes.

@@ -428,7 +428,22 @@ async fn drive<D: Driven>(
             if std::mem::take(&mut ticked) {
                 st.on_tick();
             }
-            st.progress_and_arm();
+            // While events are left to a reader, the driver's round does
+            // not arm the CQ: the reader arms before it parks (and a
+            // blocked writer or sender for itself), and the tick looks at
+            // the connection. An arm here outlives the round: the
+            // completion that lands while the reader is in its next write
+            // (neither parked nor spinning then) raised an event that woke
+            // the driver, whose round armed again, a chain a spinning
+            // reader rarely broke.
+            if delegation
+                .as_ref()
+                .is_some_and(|d| d.filtering() && shared.handles() > 0)
+            {
+                st.progress();
+            } else {
+                st.progress_and_arm();
+            }
             let orphaned = shared.handles() == 0;
             if orphaned && linger_deadline.is_none() {
                 linger_deadline = Some(tokio::time::Instant::now() + linger);

@@ -475,6 +475,16 @@ impl Conn {
             if !matches!(events.poll_take(cx), Poll::Ready(Ok(()))) {
                 break;
             }
+            // The event used up the arm: look before arming again. A
+            // reader that finds its data leaves the CQ unarmed, so the
+            // completions that come while it answers (a response landing
+            // during its own write's doorbell) raise no event that wakes
+            // the driver to meet it on the lock. Nothing waits unannounced:
+            // a blocked writer arms for itself (`register_writer`), the
+            // driver arms in its own round, which this event woke unless
+            // the driver leaves events to this reader, and then its tick
+            // looks within `DELEGATION_TICK`.
+            st.progress_reading();
         }
         self.nudge_if_failed(&st);
         st
