@@ -428,17 +428,20 @@ async fn drive<D: Driven>(
             if std::mem::take(&mut ticked) {
                 st.on_tick();
             }
-            // While events are left to a reader, the driver's round does
-            // not arm the CQ: the reader arms before it parks (and a
-            // blocked writer or sender for itself), and the tick looks at
-            // the connection. An arm here outlives the round: the
-            // completion that lands while the reader is in its next write
-            // (neither parked nor spinning then) raised an event that woke
-            // the driver, whose round armed again, a chain a spinning
-            // reader rarely broke.
+            // While events are left to a reader and no task waits on a
+            // send completion, the driver's round does not arm the CQ: the
+            // reader arms before it parks (and a blocked writer or sender
+            // for itself), and the tick looks at the connection. An arm
+            // here outlives the round: the completion that lands while the
+            // reader is in its next write (neither parked nor spinning
+            // then) raised an event that woke the driver, whose round
+            // armed again, a chain a spinning reader rarely broke. Work
+            // of the driver's own that a completion moves on (an RDMA
+            // READ in flight, messages queued for room) keeps the arm.
             if delegation
                 .as_ref()
                 .is_some_and(|d| d.filtering() && shared.handles() > 0)
+                && st.solicited_events_suffice()
             {
                 st.progress();
             } else {

@@ -196,6 +196,13 @@ fn dedicated_budget() -> usize {
 /// them; the tick's round polls the CQ), and the stale parked flag is
 /// forgotten at that tick. So nothing waits on a reader that is gone for
 /// longer than about two ticks.
+///
+/// While it filters, the driver's own rounds leave the CQ unarmed unless
+/// something waits on a send completion (the reader arms before it parks,
+/// a blocked writer for itself): an arm left over from a round made the
+/// completion that lands while the reader is inside its next write raise
+/// an event that woke the driver (benches/README.md, "Arms left over wake
+/// the driver"). The tick's round arms again once filtering stops.
 #[derive(Default)]
 pub(crate) struct Delegation {
     /// An application task is registered for the CQ's next event.
