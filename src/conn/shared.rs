@@ -188,6 +188,16 @@ pub(crate) trait Driven: Send + 'static {
         Self: Sized,
     {
         progress(self);
+        self.arm_and_progress_with(progress);
+    }
+
+    /// The second half of
+    /// [`progress_and_arm_with`](Self::progress_and_arm_with), for a
+    /// caller that has just drained: arm, then drain again.
+    fn arm_and_progress_with(&mut self, progress: fn(&mut Self))
+    where
+        Self: Sized,
+    {
         let solicited_only = self.solicited_events_suffice();
         match self.qp().arm(solicited_only) {
             Ok(()) => self.on_armed(solicited_only),
@@ -198,7 +208,9 @@ pub(crate) trait Driven: Send + 'static {
 
     /// The CQ was armed, for solicited events only or for every
     /// completion (a kind that narrows its arm keeps track of it, to widen
-    /// it again when a task starts waiting on a send completion).
+    /// it again when a task starts waiting on a send completion). The
+    /// driver also reports a round that left the CQ unarmed as `true`:
+    /// a task that starts waiting on a send completion must arm then too.
     fn on_armed(&mut self, _solicited_only: bool) {}
 }
 
@@ -428,24 +440,33 @@ async fn drive<D: Driven>(
             if std::mem::take(&mut ticked) {
                 st.on_tick();
             }
-            // While events are left to a reader and no task waits on a
-            // send completion, the driver's round does not arm the CQ: the
-            // reader arms before it parks (and a blocked writer or sender
-            // for itself), and the tick looks at the connection. An arm
-            // here outlives the round: the completion that lands while the
-            // reader is in its next write (neither parked nor spinning
-            // then) raised an event that woke the driver, whose round
-            // armed again, a chain a spinning reader rarely broke. Work
-            // of the driver's own that a completion moves on (an RDMA
-            // READ in flight, messages queued for room) keeps the arm.
+            // While events are left to a reader that is reading (it took
+            // an event or found data since the last tick) and nothing
+            // waits on a send completion, the driver's round leaves the
+            // CQ unarmed: the reader arms before it parks (and a blocked
+            // writer or sender for itself), and the tick looks at the
+            // connection. An arm here outlives the round: the completion
+            // that lands while the reader is in its next write (neither
+            // parked nor spinning then) raised an event that woke the
+            // driver, whose round armed again, a chain a spinning reader
+            // rarely broke. Decided after the round's drain, which may
+            // have posted work of the driver's own (an RDMA READ); a
+            // reader gone while parked never counts as reading, so the
+            // tick's round arms and the events it leaves show it stale
+            // (`Delegation::on_tick`).
+            st.progress();
             if delegation
                 .as_ref()
-                .is_some_and(|d| d.filtering() && shared.handles() > 0)
+                .is_some_and(|d| d.filtering() && d.reader_active() && shared.handles() > 0)
                 && st.solicited_events_suffice()
             {
-                st.progress();
+                // As far as waiters on a send completion go, an unarmed
+                // CQ is as narrow as one armed for solicited events only:
+                // the next such waiter arms (a message endpoint's
+                // `widen_arm`).
+                st.on_armed(true);
             } else {
-                st.progress_and_arm();
+                st.arm_and_progress_with(D::progress);
             }
             let orphaned = shared.handles() == 0;
             if orphaned && linger_deadline.is_none() {

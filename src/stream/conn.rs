@@ -476,15 +476,21 @@ impl Conn {
                 break;
             }
             // The event used up the arm: look before arming again. A
-            // reader that finds its data leaves the CQ unarmed, so the
-            // completions that come while it answers (a response landing
-            // during its own write's doorbell) raise no event that wakes
-            // the driver to meet it on the lock. Nothing waits unannounced:
-            // a blocked writer arms for itself (`register_writer`), the
-            // driver arms in its own round, which this event woke unless
-            // the driver leaves events to this reader, and then its tick
-            // looks within `DELEGATION_TICK`.
+            // reader that finds its data leaves the CQ unarmed while the
+            // driver leaves events to it (the driver then ticks) and no
+            // task waits on a send completion, so the completions that
+            // come while it answers (a response landing during its own
+            // write's doorbell) raise no event that wakes the driver to
+            // meet it on the lock. Otherwise it arms as before: a blocked
+            // writer's arm was this event's, and a driver that takes every
+            // event waits for one.
             st.progress_reading();
+            if st.read_ready()
+                && !(st.solicited_events_suffice()
+                    && events.delegation().is_some_and(|d| d.filtering()))
+            {
+                st.arm_and_progress_with(StreamState::progress_reading);
+            }
         }
         self.nudge_if_failed(&st);
         st

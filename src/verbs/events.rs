@@ -197,12 +197,13 @@ fn dedicated_budget() -> usize {
 /// forgotten at that tick. So nothing waits on a reader that is gone for
 /// longer than about two ticks.
 ///
-/// While it filters, the driver's own rounds leave the CQ unarmed unless
-/// something waits on a send completion (the reader arms before it parks,
-/// a blocked writer for itself): an arm left over from a round made the
-/// completion that lands while the reader is inside its next write raise
-/// an event that woke the driver (benches/README.md, "Arms left over wake
-/// the driver"). The tick's round arms again once filtering stops.
+/// While it filters and a reader is at work ([`Delegation::reader_active`]),
+/// the driver's own rounds leave the CQ unarmed unless something waits on
+/// a send completion (the reader arms before it parks, a blocked writer
+/// for itself): an arm left over from a round made the completion that
+/// lands while the reader is inside its next write raise an event that
+/// woke the driver (benches/README.md, "Arms left over wake the driver").
+/// The round after a tick without reads arms again.
 #[derive(Default)]
 pub(crate) struct Delegation {
     /// An application task is registered for the CQ's next event.
@@ -313,6 +314,13 @@ impl Delegation {
         if !(taken || reading) {
             self.set_filtering(false);
         }
+    }
+
+    /// Whether an application task took an event or a read found data
+    /// since the driver's last tick: a reader is at work, not parked and
+    /// gone.
+    pub(crate) fn reader_active(&self) -> bool {
+        self.taken.load(Ordering::Acquire) || self.reading.load(Ordering::Acquire)
     }
 
     /// Events left to application tasks so far.
@@ -1275,6 +1283,31 @@ mod tests {
         d.on_tick();
         assert!(!d.filtering());
         assert!(!d.app_parked());
+    }
+
+    #[test]
+    fn a_reader_counts_as_active_from_its_take_or_read_to_the_next_tick() {
+        let (order, d, event) = gate();
+        assert!(!d.reader_active());
+        // A parked reader turns filtering on; a parked reader is not yet
+        // at work (one whose read was dropped never will be).
+        d.app_parked.store(true, Ordering::Release);
+        event(&d);
+        assert!(d.filtering() && !d.reader_active());
+        // It takes the event: at work until the tick.
+        d.took();
+        assert!(d.reader_active());
+        d.on_tick();
+        assert!(d.filtering() && !d.reader_active());
+        // A read that found data (a spin, or data already there).
+        d.unpark();
+        assert!(d.reader_active());
+        d.on_tick();
+        assert!(d.filtering() && !d.reader_active());
+        // A tick with no take and no read: idle, filtering stops.
+        d.on_tick();
+        assert!(!d.filtering() && !d.reader_active());
+        assert_eq!((order.lock().unwrap().len(), d.left()), (1, 0));
     }
 
     #[test]
