@@ -450,9 +450,10 @@ async fn drive<D: Driven>(
             // parked nor spinning then) raised an event that woke the
             // driver, whose round armed again, a chain a spinning reader
             // rarely broke. Decided after the round's drain, which may
-            // have posted work of the driver's own (an RDMA READ); a
-            // reader gone while parked never counts as reading, so the
-            // tick's round arms and the events it leaves show it stale
+            // have posted work of the driver's own (an RDMA READ). A
+            // reader whose read was dropped while parked never counts as
+            // reading: the round after a tick arms, and the events then
+            // left to it mark it stale at the next tick
             // (`Delegation::on_tick`).
             st.progress();
             if delegation
