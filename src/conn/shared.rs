@@ -206,6 +206,31 @@ pub(crate) trait Driven: Send + 'static {
         progress(self);
     }
 
+    /// After a drain: arm the CQ again (then drain once more), unless
+    /// `left_to_reader` (the driver leaves events to a reader at work,
+    /// [`Delegation::leaves_cq_unarmed`]) and nothing waits on a send
+    /// completion. Then the CQ stays unarmed: the reader arms before it
+    /// parks (and a blocked writer or sender for itself), and the driver's
+    /// tick looks at the connection. An arm that outlives its need made
+    /// the completion that lands while the reader is inside its next write
+    /// (neither parked nor spinning then) raise an event that woke the
+    /// driver to meet the reader on the lock (benches/README.md, "Arms
+    /// left over wake the driver"). An unarmed CQ counts as a narrow arm
+    /// ([`on_armed`](Self::on_armed) with `true`): a task that starts
+    /// waiting on a send completion arms for itself.
+    ///
+    /// [`Delegation::leaves_cq_unarmed`]: crate::verbs::events::Delegation::leaves_cq_unarmed
+    fn arm_unless_left_to_reader(&mut self, left_to_reader: bool, progress: fn(&mut Self))
+    where
+        Self: Sized,
+    {
+        if left_to_reader && self.solicited_events_suffice() {
+            self.on_armed(true);
+        } else {
+            self.arm_and_progress_with(progress);
+        }
+    }
+
     /// The CQ was armed, for solicited events only or for every
     /// completion (a kind that narrows its arm keeps track of it, to widen
     /// it again when a task starts waiting on a send completion). The
@@ -440,35 +465,15 @@ async fn drive<D: Driven>(
             if std::mem::take(&mut ticked) {
                 st.on_tick();
             }
-            // While events are left to a reader that is reading (it took
-            // an event or found data since the last tick) and nothing
-            // waits on a send completion, the driver's round leaves the
-            // CQ unarmed: the reader arms before it parks (and a blocked
-            // writer or sender for itself), and the tick looks at the
-            // connection. An arm here outlives the round: the completion
-            // that lands while the reader is in its next write (neither
-            // parked nor spinning then) raised an event that woke the
-            // driver, whose round armed again, a chain a spinning reader
-            // rarely broke. Decided after the round's drain, which may
-            // have posted work of the driver's own (an RDMA READ). A
-            // reader whose read was dropped while parked never counts as
-            // reading: the round after a tick arms, and the events then
-            // left to it mark it stale at the next tick
-            // (`Delegation::on_tick`).
+            // The round's drain may post work of the driver's own (an
+            // RDMA READ), so the arm is decided after it. A reader whose
+            // read was dropped while parked never counts as at work: the
+            // round after a tick arms, and the events then left to it mark
+            // it stale at the next tick (`Delegation::on_tick`).
             st.progress();
-            if delegation
-                .as_ref()
-                .is_some_and(|d| d.filtering() && d.reader_active() && shared.handles() > 0)
-                && st.solicited_events_suffice()
-            {
-                // As far as waiters on a send completion go, an unarmed
-                // CQ is as narrow as one armed for solicited events only:
-                // the next such waiter arms (a message endpoint's
-                // `widen_arm`).
-                st.on_armed(true);
-            } else {
-                st.arm_and_progress_with(D::progress);
-            }
+            let left_to_reader =
+                shared.handles() > 0 && delegation.as_ref().is_some_and(|d| d.leaves_cq_unarmed());
+            st.arm_unless_left_to_reader(left_to_reader, D::progress);
             let orphaned = shared.handles() == 0;
             if orphaned && linger_deadline.is_none() {
                 linger_deadline = Some(tokio::time::Instant::now() + linger);

@@ -476,20 +476,17 @@ impl Conn {
                 break;
             }
             // The event used up the arm: look before arming again. A
-            // reader that finds its data leaves the CQ unarmed while the
-            // driver leaves events to it (the driver then ticks) and no
-            // task waits on a send completion, so the completions that
-            // come while it answers (a response landing during its own
-            // write's doorbell) raise no event that wakes the driver to
-            // meet it on the lock. Otherwise it arms as before: a blocked
-            // writer's arm was this event's, and a driver that takes every
-            // event waits for one.
+            // reader that finds its data leaves the CQ unarmed under the
+            // driver's rule (`Driven::arm_unless_left_to_reader`), so the
+            // completions that come while it answers (a response landing
+            // during its own write's doorbell) raise no event that wakes
+            // the driver. Otherwise it arms as before: a blocked writer's
+            // arm was this event's, and a driver that takes every event
+            // waits for one.
             st.progress_reading();
-            if st.read_ready()
-                && !(st.solicited_events_suffice()
-                    && events.delegation().is_some_and(|d| d.filtering()))
-            {
-                st.arm_and_progress_with(StreamState::progress_reading);
+            if st.read_ready() {
+                let left_to_reader = events.delegation().is_some_and(|d| d.leaves_cq_unarmed());
+                st.arm_unless_left_to_reader(left_to_reader, StreamState::progress_reading);
             }
         }
         self.nudge_if_failed(&st);

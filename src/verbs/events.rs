@@ -323,6 +323,14 @@ impl Delegation {
         self.taken.load(Ordering::Acquire) || self.reading.load(Ordering::Acquire)
     }
 
+    /// Whether the CQ may stay unarmed after a drain, as far as event
+    /// leaving goes: the driver leaves events to a reader at work (and
+    /// therefore ticks). The caller adds that nothing waits on a send
+    /// completion (`Driven::arm_unless_left_to_reader`).
+    pub(crate) fn leaves_cq_unarmed(&self) -> bool {
+        self.filtering() && self.reader_active()
+    }
+
     /// Events left to application tasks so far.
     pub(crate) fn left(&self) -> u64 {
         self.left.load(Ordering::Acquire)
