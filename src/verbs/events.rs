@@ -470,9 +470,8 @@ impl CqEvents {
                         .map(|r| r.map(Some))
                 })
                 .await?;
-                if let Some(mut guard) = ready {
-                    drain(fd.get_ref().0.as_ref(), |_| {});
-                    guard.clear_ready();
+                if let Some(guard) = ready {
+                    take_events(guard);
                 }
                 Ok(())
             }
@@ -489,10 +488,9 @@ impl CqEvents {
     /// a second round. A no-op on the runtime's shared channel.
     pub(crate) fn take_left(&self) {
         if let CqEvents::Own { fd, .. } = self
-            && let Some(Ok(mut guard)) = futures::FutureExt::now_or_never(fd.readable())
+            && let Some(Ok(guard)) = futures::FutureExt::now_or_never(fd.readable())
         {
-            drain(fd.get_ref().0.as_ref(), |_| {});
-            guard.clear_ready();
+            take_events(guard);
         }
     }
 
@@ -519,10 +517,9 @@ impl CqEvents {
     pub(crate) fn poll_take(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self {
             CqEvents::Own { fd, delegation, .. } => match fd.poll_read_ready(cx) {
-                Poll::Ready(Ok(mut guard)) => {
+                Poll::Ready(Ok(guard)) => {
                     delegation.took();
-                    drain(fd.get_ref().0.as_ref(), |_| {});
-                    guard.clear_ready();
+                    take_events(guard);
                     Poll::Ready(Ok(()))
                 }
                 Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
@@ -534,6 +531,14 @@ impl CqEvents {
             CqEvents::Shared { signal, .. } => signal.poll_take(cx, false).map(Ok),
         }
     }
+}
+
+/// Reads and acknowledges every event queued on a channel of the CQ's own
+/// that the reactor reported readable, then clears the readiness, so the
+/// next wait sleeps until a new event.
+fn take_events(mut guard: tokio::io::unix::AsyncFdReadyGuard<'_, ChannelFd>) {
+    drain(guard.get_inner().0.as_ref(), |_| {});
+    guard.clear_ready();
 }
 
 fn own_channel(device: &Arc<OpenDevice>) -> Result<AsyncFd<ChannelFd>> {
