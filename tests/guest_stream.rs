@@ -1217,13 +1217,24 @@ async fn wait_strategies_spin_or_park_as_configured() {
     }
 }
 
-/// A read dropped while parked on the CQ (a `select!` that took its other
-/// branch) takes no more events; the driver, which had been leaving them to
-/// it, takes over within its tick: the client's 16 rings' worth is drained
-/// into process memory and credited back without one read, and every byte
-/// arrives intact.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_read_dropped_while_parked_leaves_progress_to_the_driver() {
+/// How the server's reader stops reading in [`driver_takes_over_after`].
+#[derive(Clone, Copy, Debug)]
+enum ReaderStop {
+    /// A read parked on the CQ is dropped (a `select!` that took its other
+    /// branch): it takes no more events.
+    DroppedWhileParked,
+    /// A parked read is answered (one byte, 9) and no read follows: the
+    /// reader found its data after an event and left the CQ unarmed.
+    AnsweredThenIdle,
+}
+
+/// The server echoes 64 B pings until its driver leaves completion events
+/// to its (parked) reader, then its reader stops as `stop` says, and the
+/// client writes 16 rings' worth with a 4 KiB send buffer: the write
+/// completes only if the server's driver takes over within its ticks,
+/// draining the bytes into process memory and crediting them back without
+/// one read. Every byte must then arrive intact.
+async fn driver_takes_over_after(stop: ReaderStop, seed: u64) {
     const RING: usize = 8192;
     const BULK: usize = 16 * RING;
     let cfg = RdmaConfig::new()
@@ -1232,7 +1243,7 @@ async fn a_read_dropped_while_parked_leaves_progress_to_the_driver() {
         .wait_strategy(WaitStrategy::Park);
     let l = bind(&cfg).await;
     let addr = l.local_addr().unwrap();
-    let (parked_tx, parked_rx) = tokio::sync::oneshot::channel::<()>();
+    let (stopped_tx, stopped_rx) = tokio::sync::oneshot::channel::<()>();
     let (sent_tx, sent_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         let (mut s, _) = l.accept().await?;
@@ -1249,11 +1260,17 @@ async fn a_read_dropped_while_parked_leaves_progress_to_the_driver() {
             }
         }
         let mut one = [0u8; 1];
-        tokio::select! {
-            r = s.read(&mut one) => panic!("nothing was sent yet: {r:?}"),
-            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        match stop {
+            ReaderStop::DroppedWhileParked => tokio::select! {
+                r = s.read(&mut one) => panic!("nothing was sent yet: {r:?}"),
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            },
+            ReaderStop::AnsweredThenIdle => {
+                s.read_exact(&mut one).await?;
+                assert_eq!(one, [9]);
+            }
         }
-        parked_tx.send(()).expect("the client waits");
+        stopped_tx.send(()).expect("the client waits");
         sent_rx.await.expect("the client wrote");
         let mut all = Vec::new();
         s.read_to_end(&mut all).await?;
@@ -1277,10 +1294,13 @@ async fn a_read_dropped_while_parked_leaves_progress_to_the_driver() {
             "the server's driver never left an event to its reader"
         );
     }
-    parked_rx
-        .await
-        .expect("the server parked a read and dropped it");
-    let bulk: Vec<u8> = (0..BULK as u64).map(|i| pattern(77, i)).collect();
+    if let ReaderStop::AnsweredThenIdle = stop {
+        // Let the server's read park first.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        c.write_all(&[9]).await.unwrap();
+    }
+    stopped_rx.await.expect("the server's reader stopped");
+    let bulk: Vec<u8> = (0..BULK as u64).map(|i| pattern(seed, i)).collect();
     // Without the driver's rounds the server's ring stays full after the
     // first 8 KiB and this write never completes.
     tokio::time::timeout(Duration::from_secs(30), c.write_all(&bulk))
@@ -1294,83 +1314,20 @@ async fn a_read_dropped_while_parked_leaves_progress_to_the_driver() {
     assert!(all == bulk, "the bytes arrived changed");
 }
 
+/// A read dropped while parked on the CQ takes no more events; the driver,
+/// which had been leaving them to it, takes over within its tick.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_dropped_while_parked_leaves_progress_to_the_driver() {
+    driver_takes_over_after(ReaderStop::DroppedWhileParked, 77).await;
+}
+
 /// A reader woken by an event that finds its data leaves the CQ unarmed,
 /// and a driver that leaves events to it does not arm either: when that
 /// reader then stops reading, the driver still takes over within its
-/// ticks. The server's last parked read is answered (one byte), then it
-/// reads nothing while the client writes 16 rings' worth, which completes
-/// only if the server's driver drains it into process memory and credits
-/// it back, and every byte arrives intact.
+/// ticks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_that_stops_after_a_parked_read_leaves_progress_to_the_driver() {
-    const RING: usize = 8192;
-    const BULK: usize = 16 * RING;
-    let cfg = RdmaConfig::new()
-        .ring_size(RING as u32)
-        .recv_buffer_limit(1 << 20)
-        .wait_strategy(WaitStrategy::Park);
-    let l = bind(&cfg).await;
-    let addr = l.local_addr().unwrap();
-    let (echoed_tx, echoed_rx) = tokio::sync::oneshot::channel::<()>();
-    let (read_tx, read_rx) = tokio::sync::oneshot::channel::<()>();
-    let (sent_tx, sent_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        let (mut s, _) = l.accept().await?;
-        // Echo pings until the driver leaves events to the reader.
-        let mut buf = [0u8; 64];
-        loop {
-            s.read_exact(&mut buf).await?;
-            let delegated = s.stats().events_left_to_reader > 0;
-            buf[0] = u8::from(delegated);
-            s.write_all(&buf).await?;
-            if delegated {
-                break;
-            }
-        }
-        echoed_tx.send(()).expect("the client waits");
-        // Parked (nothing sent yet), then answered by one byte.
-        let mut one = [0u8; 1];
-        s.read_exact(&mut one).await?;
-        assert_eq!(one, [9]);
-        read_tx.send(()).expect("the client waits");
-        sent_rx.await.expect("the client wrote");
-        let mut all = Vec::new();
-        s.read_to_end(&mut all).await?;
-        Ok::<_, io::Error>(all)
-    });
-    let client_cfg = cfg.clone().send_buffer_size(4096);
-    let mut c = RdmaStream::connect_with(addr, &client_cfg).await.unwrap();
-    let mut back = [0u8; 64];
-    let mut pings = 0u32;
-    loop {
-        c.write_all(&[0u8; 64]).await.unwrap();
-        c.read_exact(&mut back).await.unwrap();
-        pings += 1;
-        if back[0] == 1 {
-            break;
-        }
-        assert!(
-            pings < 10_000,
-            "the server's driver never left an event to its reader"
-        );
-    }
-    echoed_rx.await.expect("the server echoed");
-    // Let the server's read park first.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    c.write_all(&[9]).await.unwrap();
-    read_rx.await.expect("the server read its byte");
-    let bulk: Vec<u8> = (0..BULK as u64).map(|i| pattern(78, i)).collect();
-    // Without the driver's rounds the server's ring stays full after the
-    // first 8 KiB and this write never completes.
-    tokio::time::timeout(Duration::from_secs(30), c.write_all(&bulk))
-        .await
-        .expect("the server's driver drained and credited without a read")
-        .expect("write");
-    sent_tx.send(()).expect("the server waits");
-    c.shutdown().await.unwrap();
-    let all = server.await.unwrap().expect("server");
-    assert_eq!(all.len(), BULK);
-    assert!(all == bulk, "the bytes arrived changed");
+    driver_takes_over_after(ReaderStop::AnsweredThenIdle, 78).await;
 }
 
 // ---- Receive rings that grow under bulk -------------------------------------
