@@ -265,6 +265,58 @@ async fn an_idle_senders_buffers_come_back_without_another_call() {
     assert_eq!(client.stats().messages_sent, 3);
 }
 
+/// A sustained stream (sending through more than one of the driver's
+/// 5 ms ticks) leaves its queue to itself and the tick, not to the next
+/// completion: its last messages, left queued by `send()` with 4 WRs or
+/// more outstanding, still arrive, in order, with nothing called on the
+/// sender after them. Both runtimes: on current_thread the driver runs
+/// only when the sender yields.
+async fn a_streams_last_queued_messages_arrive_without_another_call() {
+    let (client, server) = pair(&MessageConfig::new(), &MessageConfig::new()).await;
+    // The receiver takes messages as they come (its credit goes back
+    // only as it takes them) and reports how many, in order.
+    let (count_tx, mut count_rx) = tokio::sync::watch::channel(0u64);
+    let receiver = tokio::spawn(async move {
+        let mut i = 0u64;
+        while let Some(msg) = server.recv().await.expect("recv") {
+            assert_eq!(msg[..], i.to_le_bytes(), "message {i}");
+            i += 1;
+            count_tx.send_replace(i);
+        }
+        i
+    });
+    // 30 ms: six tick periods (a clock read per 64 messages).
+    let start = tokio::time::Instant::now();
+    let mut sent = 0u64;
+    while sent % 64 != 0 || start.elapsed() < Duration::from_millis(30) {
+        let mut buf = client.pool().alloc_any(8).await.expect("pool buffer");
+        buf.spare_mut()[..8].copy_from_slice(&sent.to_le_bytes());
+        buf.set_len(8);
+        client.send(buf).await.expect("send");
+        sent += 1;
+    }
+    // Nothing is called on the client from here on; liveness bound only.
+    let all = tokio::time::timeout(Duration::from_secs(20), count_rx.wait_for(|&n| n == sent))
+        .await
+        .is_ok_and(|r| r.is_ok());
+    assert!(all, "{} of {sent} messages arrived", *count_rx.borrow());
+    let stats = client.stats();
+    assert_eq!(stats.messages_sent, sent);
+    assert!(stats.sends_deferred > 0, "{stats:?}");
+    client.close().await.expect("close");
+    assert_eq!(receiver.await.expect("receiver"), sent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_last_queued_messages_arrive_without_another_call_multi_thread() {
+    a_streams_last_queued_messages_arrive_without_another_call().await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_streams_last_queued_messages_arrive_without_another_call_current_thread() {
+    a_streams_last_queued_messages_arrive_without_another_call().await;
+}
+
 fn is_kind(e: &io::Error, kind: io::ErrorKind) -> bool {
     e.kind() == kind
 }

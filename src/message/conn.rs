@@ -35,22 +35,12 @@ const FEED_BATCH: usize = 32;
 
 /// `send()` posts at once while fewer than this many WRs are outstanding
 /// (a lone request goes out without delay); beyond it the message waits in
-/// the queue for the next completion, whose drain posts everything queued
-/// since with one doorbell. Every burst ends with a signaled WR, so that
-/// completion comes.
+/// the queue and goes out with the next doorbell, together with
+/// everything queued since: at the next completion's drain, the sender's
+/// own next post ([`FEED_BATCH`] queued) or wait, or, for a sustained
+/// stream, the driver's tick (see [`MsgState::defer_to_completion`]).
+/// Every burst ends with a signaled WR, so that completion comes.
 const POST_AT_ONCE_BELOW: usize = 4;
-
-/// The CQ may be armed for solicited events only while the application
-/// sent at most this many messages since it last took one: requests and
-/// their responses (up to 8 in flight), whose own send completions then
-/// wake nobody. A stream of messages one way keeps every completion
-/// announced, as before: its `send()` defers most messages to the next
-/// completion (86-90 % in the Soft-RoCE guest on the multi-thread
-/// runtime), and narrowing the arm between its bursts, by any rule tried
-/// (arms or sends since the last deferral, sends since the last arm),
-/// measured 0.45-0.9x its message rate on the multi-thread runtime
-/// (benches/README.md, "Messages: solicited events").
-const SENDS_PER_RECEIVE: u32 = 8;
 
 /// A message endpoint's connection: the core's shared connection around a
 /// [`MsgState`].
@@ -98,9 +88,15 @@ pub(crate) struct MsgState {
     /// The CQ's last arm was for solicited events only (see
     /// [`MsgState::widen_arm`]).
     solicited_armed: bool,
-    /// Messages sent (`send()` or the `Sink`) since the application last
-    /// took one (saturating; see [`SENDS_PER_RECEIVE`]).
-    sends_since_recv: u32,
+    /// A message was sent since the driver's last tick.
+    sent_since_tick: bool,
+    /// A message was sent in the tick period before the driver's last
+    /// tick as well: a sustained stream (see
+    /// [`MsgState::defer_to_completion`]); the driver keeps ticking.
+    sent_last_period: bool,
+    /// `send()` calls that left their message queued (see
+    /// [`POST_AT_ONCE_BELOW`]).
+    sends_deferred: u64,
     scratch: Vec<Completion>,
     /// Reused list of WRs posted together.
     batch: Vec<MsgTransmit>,
@@ -440,6 +436,25 @@ impl MsgState {
         self.quota.release(token);
     }
 
+    /// Whether a message `send()` just left queued should go out at the
+    /// next completion (the CQ armed for it: [`widen_arm`](Self::widen_arm)),
+    /// as a short burst does, so its last messages wait for nothing. Not
+    /// for a sustained stream (sent in the tick period before the driver's
+    /// last tick as well) with no task parked on the endpoint: its
+    /// queue goes out with its own next post ([`FEED_BATCH`] queued) or
+    /// wait, or at the driver's tick (every 5 ms while it sends, so a
+    /// stream's last messages wait at most that long when the application
+    /// calls nothing on the endpoint after them). Each completion event
+    /// woke the driver, on the multi-thread runtime another thread that met
+    /// the sender on the lock, to post a burst of a few messages; left to
+    /// the sender, 64 B messages with `send()` each went at 1.34-1.60x the
+    /// rate (benches/README.md, "A sustained stream posts its own queue").
+    /// A parked task (a `recv`) still gets its wake-up: the deferral
+    /// widens the arm, and the woken task's drain posts the queue.
+    fn defer_to_completion(&self) -> bool {
+        !self.sent_last_period || !self.receivers.is_empty()
+    }
+
     /// A task starts waiting on something a send completion may bring
     /// (room in the send queue, a queued message posted, every message
     /// taken): if the CQ's last arm was for solicited events only, arm it
@@ -537,27 +552,27 @@ impl Driven for MsgState {
         self.need_memory.then(|| self.pool.clone())
     }
 
-    /// Solicited events (the peer's messages, RTS, CREDIT, DONE, CLOSE,
-    /// ABORT: every SEND of the peer) suffice while the endpoint is healthy
-    /// and nothing waits on one of its own send completions: no task
-    /// waiting for room, posting or messages taken, nothing queued (a
-    /// message `send()` deferred is posted at the next completion), no
-    /// work for a full send queue, RDMA READ in flight, close or abort
-    /// under way ([`MessageCore::awaits_send_completion`]), no keepalive
-    /// probe in flight, no wait for pool memory (a completion may free
-    /// some), and at most [`SENDS_PER_RECEIVE`] messages sent since the
-    /// application last took one (requests and responses, not a stream
-    /// of messages one way). A request's completion then wakes nobody:
-    /// not the task parked for its response, nor the driver (on the
-    /// multi-thread runtime a 64 B ping-pong took 0.56-0.61x the mean:
-    /// benches/README.md, "Messages: solicited events").
+    /// Solicited events (the peer's messages, RTS, DONE, CLOSE, ABORT:
+    /// every SEND of the peer but CREDIT) suffice while the endpoint is
+    /// healthy and nothing waits on one of its own send completions or on
+    /// the peer's CREDIT: no task waiting for room, posting or messages
+    /// taken, nothing queued (a message `send()` deferred may be posted at
+    /// the next completion), no work for a full send queue, RDMA READ in
+    /// flight, close or abort under way
+    /// ([`MessageCore::awaits_send_completion`]), the peer's credit not
+    /// low ([`MessageCore::credit_low`]), no keepalive probe in flight, no
+    /// wait for pool memory (a completion may free some). A request's
+    /// completion then wakes nobody: not the task parked for its
+    /// response, nor the driver (on the multi-thread runtime a 64 B
+    /// ping-pong took 0.56-0.61x the mean: benches/README.md, "Messages:
+    /// solicited events"); nor does a stream's (its sender reaps them).
     fn solicited_events_suffice(&self) -> bool {
         self.alive()
             && self.senders.is_empty()
             && self.flushers.is_empty()
             && self.core.queued() == 0
-            && self.sends_since_recv <= SENDS_PER_RECEIVE
             && !self.core.awaits_send_completion()
+            && !self.core.credit_low()
             && !self.qp.qp_ref().probe_outstanding()
             && !self.need_memory
     }
@@ -566,8 +581,21 @@ impl Driven for MsgState {
     /// a rendezvous whose window is being invalidated) that no event
     /// announces: the driver's tick polls them, so their memory goes back
     /// to the pool without waiting for the endpoint's next call.
+    /// Also while the application sends (in this tick period or the one
+    /// before): a sustained stream's deferred messages and held buffers
+    /// wait for the tick, and a driver that stopped ticking whenever its
+    /// round had reaped everything was woken again by the next `send()`
+    /// ([`Shared::ensure_tick`]), once per batch.
+    ///
+    /// [`Shared::ensure_tick`]: crate::conn::shared::Shared::ensure_tick
     fn needs_tick(&self) -> bool {
-        self.qp.sends_held() > 0 && self.solicited_events_suffice()
+        self.sent_since_tick
+            || self.sent_last_period
+            || (self.qp.sends_held() > 0 && self.solicited_events_suffice())
+    }
+
+    fn on_tick(&mut self) {
+        self.sent_last_period = std::mem::take(&mut self.sent_since_tick);
     }
 
     fn on_armed(&mut self, solicited_only: bool) {
@@ -637,7 +665,6 @@ impl MsgConn {
                     })
                 }
             };
-            st.sends_since_recv = 0;
             // Taking the message made its slot returnable: credit may be due.
             st.settle();
             return Poll::Ready(match msg {
@@ -726,11 +753,12 @@ impl MsgConn {
         if at_once || st.core.queued() >= FEED_BATCH {
             st.settle();
         }
-        st.sends_since_recv = st.sends_since_recv.saturating_add(1);
+        st.sent_since_tick = true;
         if st.core.queued() > 0 && !defer {
-            // Deferred: posted at the next completion, which must raise
-            // an event. (The `Sink` path's flush posts its batch.)
-            st.widen_arm();
+            st.sends_deferred += 1;
+            if st.defer_to_completion() {
+                st.widen_arm();
+            }
         }
         self.ensure_tick(&st);
         Ok(())
@@ -799,6 +827,7 @@ impl MsgConn {
         s.spin_hits = st.spin.spin_hits;
         s.recv_parks = st.spin.parks;
         s.spin_limit_us = st.spin.limit_us();
+        s.sends_deferred = st.sends_deferred;
         s.events_left_to_reader = st
             .qp
             .qp_ref()
@@ -868,7 +897,9 @@ pub(crate) fn start(
         closing: false,
         need_memory: false,
         solicited_armed: false,
-        sends_since_recv: 0,
+        sent_since_tick: false,
+        sent_last_period: false,
+        sends_deferred: 0,
         scratch: Vec::with_capacity(64),
         batch: Vec::with_capacity(64),
     };

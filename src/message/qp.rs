@@ -470,6 +470,7 @@ impl MessageQp {
             wrs.push(SendWr {
                 wr_id: t.wr_id,
                 signaled: t.signaled,
+                solicited: t.solicited,
                 op,
             });
             dests.push((t.wr_id, read_dest));

@@ -13,7 +13,7 @@
 //! | offset | size | field        | value                                              |
 //! |-------:|-----:|--------------|----------------------------------------------------|
 //! | 0      | 4    | magic        | [`MAGIC`] = `0x544B_5244` (`"TKRD"`)               |
-//! | 4      | 2    | version      | [`VERSION`] = 7                                    |
+//! | 4      | 2    | version      | [`VERSION`] = 8                                    |
 //! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
 //! | 7      | 1    | flags        | 0 (ignored on receipt)                             |
 //! | 8      | 8    | ring_addr    | byte stream: virtual address of the sender's receive ring; message endpoint: `max_message_len`, bytes, `1..=2^48` |
@@ -55,8 +55,11 @@ pub const MAGIC: u32 = 0x544B_5244;
 /// version 6 lets a byte stream's receive ring grow (the GRANT and SWITCH
 /// messages, [`Imm::Grant`](crate::proto::imm::Imm::Grant)); version 7
 /// returns a message endpoint's credit with its EAGER messages (the
-/// immediate's low bits, [`MsgImm::Eager`](crate::proto::message::MsgImm::Eager)).
-pub const VERSION: u16 = 7;
+/// immediate's low bits, [`MsgImm::Eager`](crate::proto::message::MsgImm::Eager));
+/// version 8 posts a message endpoint's CREDIT without the solicited-event
+/// bit (a peer that waits for credit arms its CQ for every completion:
+/// [`MessageCore::credit_low`](crate::proto::message::MessageCore::credit_low)).
+pub const VERSION: u16 = 8;
 
 /// Length in bytes of an encoded [`Hello`].
 pub const HELLO_LEN: usize = 32;
@@ -479,7 +482,7 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x07, // version
+                0x00, 0x08, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
@@ -570,13 +573,13 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        for found in [0u16, 1, 2, 3, 4, 5, 6, 8] {
+        for found in [0u16, 1, 2, 3, 4, 5, 6, 7, 9] {
             bytes[4..6].copy_from_slice(&found.to_be_bytes());
             assert_eq!(
                 Hello::decode(&bytes),
                 Err(HandshakeError::UnsupportedVersion {
                     found,
-                    supported: 7
+                    supported: 8
                 })
             );
         }
@@ -671,7 +674,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x07, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x08, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);

@@ -608,6 +608,10 @@ pub struct MsgTransmit {
     pub kind: MsgTransmitKind,
     /// Post with `IBV_SEND_SIGNALED`.
     pub signaled: bool,
+    /// Post with `IBV_SEND_SOLICITED`: every SEND except CREDIT (see
+    /// [`MessageCore::credit_low`]); a READ consumes no receive WR and is
+    /// never solicited.
+    pub solicited: bool,
 }
 
 /// The shape of a [`MsgTransmit`].
@@ -794,6 +798,9 @@ pub struct MessageStats {
     pub rendezvous_stalls: u64,
     /// Times work was blocked on a full send queue, once per blocked period.
     pub send_queue_stalls: u64,
+    /// `send()` calls that left their message queued for a later doorbell
+    /// (at least 4 WRs outstanding; filled by the endpoint).
+    pub sends_deferred: u64,
     /// Memory-window binds posted: one per rendezvous announced (filled by
     /// the endpoint; 0 from the core alone).
     pub window_binds: u64,
@@ -1164,6 +1171,14 @@ impl MessageCore {
         slot_bound || reads || self.close != CloseState::Open || self.local_abort.is_some()
     }
 
+    /// The peer's credit is at most [`CONTROL_RESERVE`]: a message, DONE,
+    /// CREDIT or CLOSE may be waiting for the peer's CREDIT, which is posted
+    /// without the solicited-event bit (nothing waits on it otherwise), so
+    /// a CQ armed for solicited events only would not announce it.
+    pub fn credit_low(&self) -> bool {
+        self.peer_credit <= CONTROL_RESERVE
+    }
+
     /// Messages queued and not yet posted.
     pub fn queued(&self) -> usize {
         self.queue.len()
@@ -1459,6 +1474,7 @@ impl MessageCore {
         self.note_stalls();
         let action = self.next_action()?;
         let mut always_signal = false;
+        let solicited = !matches!(action, Action::Credit(_) | Action::Read);
         let (kind, wr_kind) = match action {
             Action::Abort(code) => {
                 if let Some((_, sent)) = &mut self.local_abort {
@@ -1582,6 +1598,7 @@ impl MessageCore {
             wr_id,
             kind,
             signaled,
+            solicited,
         })
     }
 

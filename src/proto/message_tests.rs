@@ -266,6 +266,13 @@ impl Side {
                 None
             }
         };
+        // The peer's CQ may be armed for solicited events only: every SEND
+        // is solicited but CREDIT, which nothing waits on unless the
+        // credit is low (the runtime then arms for every completion).
+        let credit = matches!(t.kind, MsgTransmitKind::Control { imm }
+            if matches!(MsgImm::decode(imm), Ok(MsgImm::Credit { .. })));
+        let read = matches!(t.kind, MsgTransmitKind::Read { .. });
+        assert_eq!(t.solicited, !credit && !read, "{t:?}");
         self.log.push(t);
         self.wire.push_back(InFlight { t, copied });
         Some(t)
@@ -2250,4 +2257,44 @@ fn awaits_send_completion_exactly_when_progress_needs_one() {
     assert!(!core.awaits_send_completion());
     core.abort(7);
     assert!(core.awaits_send_completion());
+}
+
+/// CREDIT goes without the solicited-event bit, so a sender whose CQ is
+/// armed for solicited events only is not woken for it; `credit_low` says
+/// when one may be waited for (at most `CONTROL_RESERVE` left), and is
+/// false again once the CREDIT arrived.
+#[test]
+fn credit_goes_unsolicited_and_credit_low_marks_when_it_is_awaited() {
+    let cfg = Cfg {
+        recv_depth: 8,
+        eager_max: 100,
+        signal_interval: 1,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    pair.s[B].reading = false;
+    assert_eq!(pair.s[A].core.peer_credit(), 8);
+    assert!(!pair.s[A].core.credit_low());
+    for _ in 0..6 {
+        pair.s[A].send(10).unwrap();
+    }
+    // Six EAGERs take the credit from 8 to 2 = CONTROL_RESERVE.
+    assert_eq!(pair.s[A].post_all(), 6);
+    assert_eq!(pair.s[A].core.peer_credit(), CONTROL_RESERVE);
+    assert!(pair.s[A].core.credit_low());
+    assert!(pair.s[A].log.iter().all(|t| t.solicited));
+    assert_eq!(pair.deliver_all(A), 6);
+    // B takes them: six slots returnable, one CREDIT of 6, unsolicited.
+    assert_eq!(pair.take_all(B), 6);
+    let t = pair.s[B].post_one().expect("a CREDIT");
+    assert_eq!(
+        t.kind,
+        MsgTransmitKind::Control {
+            imm: MsgImm::Credit { count: 6 }.encode()
+        }
+    );
+    assert!(!t.solicited);
+    assert_eq!(pair.deliver_all(B), 1);
+    assert_eq!(pair.s[A].core.peer_credit(), 8);
+    assert!(!pair.s[A].core.credit_low());
 }

@@ -508,6 +508,8 @@ pub(crate) enum SendPayload<'a> {
 pub(crate) struct SendWr<'a> {
     pub wr_id: u64,
     pub signaled: bool,
+    /// `IBV_SEND_SOLICITED` (a SEND only; see `RcQueuePair::arm`).
+    pub solicited: bool,
     pub op: SendOp<'a>,
 }
 
@@ -1272,9 +1274,7 @@ impl RcQueuePair {
             } else {
                 WorkRequestFlags::none()
             };
-            // A SEND consumes one of the peer's receive WRs: solicited, as
-            // the stream's WRITE WITH IMM (see `RcQueuePair::arm`).
-            if matches!(w.op, SendOp::SendImm { .. }) {
+            if w.solicited && matches!(w.op, SendOp::SendImm { .. }) {
                 flags |= WorkRequestFlags::Solicited;
             }
             let wr = guard.construct_wr(w.wr_id, flags);
