@@ -317,6 +317,80 @@ async fn a_streams_last_queued_messages_arrive_without_another_call_current_thre
     a_streams_last_queued_messages_arrive_without_another_call().await;
 }
 
+/// A `recv` parked with its CQ armed for solicited events only still
+/// polls the CREDITs its peer spent its credit on: the CREDIT that leaves
+/// the peer at the reserve (2) is solicited, the receiver returns credit
+/// for them, and the peer's reply goes. This endpoint posts 4 receive
+/// buffers; the peer (12 buffers) returns credit by a CREDIT every 3
+/// messages it takes, and each CREDIT takes one of the 4. No keepalive: a
+/// miss is a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_recv_returns_the_credit_its_peers_credits_took() {
+    let small = MessageConfig::new().connection(
+        tokio_rdma::RdmaConfig::new()
+            .recv_queue_depth(4)
+            .keepalive(None),
+    );
+    // 12 buffers, all posted at once: a CREDIT for every 3 taken.
+    let peer_cfg =
+        MessageConfig::new().connection(tokio_rdma::RdmaConfig::new().recv_queue_depth(12));
+    let (client, server) = pair(&peer_cfg, &small).await;
+    let peer = tokio::spawn(async move {
+        // Past the client's last ticks (5 ms each): only its parked recv
+        // may look at its CQ.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        for i in 0..6u64 {
+            let m = server.recv().await.expect("recv").expect("a message");
+            assert_eq!(m[..], i.to_le_bytes(), "message {i}");
+        }
+        server.send_copy(b"reply").await.expect("send the reply");
+        server
+    });
+    for i in 0..6u64 {
+        client.send_copy(&i.to_le_bytes()).await.expect("send");
+    }
+    let reply = tokio::time::timeout(Duration::from_secs(10), client.recv())
+        .await
+        .expect("the reply within 10 s")
+        .expect("recv")
+        .expect("a message");
+    assert_eq!(&reply[..], b"reply");
+    let server = peer.await.expect("peer task");
+    // Two CREDITs of 3 (the second solicited), none carried by an EAGER.
+    assert_eq!(server.stats().credits_sent, 2);
+    assert_eq!(client.stats().credits_sent, 1, "the credit returned");
+}
+
+/// A sender's `close` long after its last message (its driver no longer
+/// ticking) returns while the peer still holds its endpoint: the CLOSE is
+/// posted before the driver arms the CQ, so its completion raises an event.
+/// No keepalive: a miss is a hang until the peer goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_after_a_quiet_stream_returns_while_the_peer_holds_on() {
+    let quiet = MessageConfig::new().connection(tokio_rdma::RdmaConfig::new().keepalive(None));
+    let (client, server) = pair(&MessageConfig::new(), &quiet).await;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let peer = tokio::spawn(async move {
+        let mut n = 0u64;
+        while let Some(m) = server.recv().await.expect("recv") {
+            assert_eq!(m[..], n.to_le_bytes(), "message {n}");
+            n += 1;
+        }
+        // Held until the client's close returned.
+        let _ = done_rx.await;
+        n
+    });
+    for i in 0..1000u64 {
+        client.send_copy(&i.to_le_bytes()).await.expect("send");
+    }
+    client.flush().await.expect("flush");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let closed = tokio::time::timeout(Duration::from_secs(10), client.close()).await;
+    let _ = done_tx.send(());
+    assert!(matches!(closed, Ok(Ok(()))), "{closed:?}");
+    assert_eq!(peer.await.expect("peer task"), 1000);
+}
+
 fn is_kind(e: &io::Error, kind: io::ErrorKind) -> bool {
     e.kind() == kind
 }

@@ -471,15 +471,17 @@ async fn drive<D: Driven>(
             // round after a tick arms, and the events then left to it mark
             // it stale at the next tick (`Delegation::on_tick`).
             st.progress();
-            let left_to_reader =
-                shared.handles() > 0 && delegation.as_ref().is_some_and(|d| d.leaves_cq_unarmed());
-            st.arm_unless_left_to_reader(left_to_reader, D::progress);
+            // The last handle's close (a FIN, a CLOSE) is posted before the
+            // arm is decided, so the arm announces its completion.
             let orphaned = shared.handles() == 0;
             if orphaned && linger_deadline.is_none() {
                 linger_deadline = Some(tokio::time::Instant::now() + linger);
                 st.on_last_handle();
                 st.progress();
             }
+            let left_to_reader =
+                shared.handles() > 0 && delegation.as_ref().is_some_and(|d| d.leaves_cq_unarmed());
+            st.arm_unless_left_to_reader(left_to_reader, D::progress);
             let failed = match st.failure() {
                 Some(true) => true,
                 Some(false) => {

@@ -450,7 +450,11 @@ impl MsgState {
     /// the sender, 64 B messages with `send()` each went at 1.34-1.60x the
     /// rate (benches/README.md, "A sustained stream posts its own queue").
     /// A parked task (a `recv`) still gets its wake-up: the deferral
-    /// widens the arm, and the woken task's drain posts the queue.
+    /// widens the arm, and the woken task's drain posts the queue. So does
+    /// a message held back by low credit (`send()` checks
+    /// [`MessageCore::credit_low`] too): the peer's CREDIT must wake
+    /// someone, or a stream paced by its receiver would go at one tick's
+    /// worth of credit per tick.
     fn defer_to_completion(&self) -> bool {
         !self.sent_last_period || !self.receivers.is_empty()
     }
@@ -756,7 +760,7 @@ impl MsgConn {
         st.sent_since_tick = true;
         if st.core.queued() > 0 && !defer {
             st.sends_deferred += 1;
-            if st.defer_to_completion() {
+            if st.defer_to_completion() || st.core.credit_low() {
                 st.widen_arm();
             }
         }

@@ -608,7 +608,9 @@ pub struct MsgTransmit {
     pub kind: MsgTransmitKind,
     /// Post with `IBV_SEND_SIGNALED`.
     pub signaled: bool,
-    /// Post with `IBV_SEND_SOLICITED`: every SEND except CREDIT (see
+    /// Post with `IBV_SEND_SOLICITED`: every SEND except a CREDIT that
+    /// leaves this side's credit above [`CONTROL_RESERVE`] (nothing at the
+    /// peer waits on it then, unless the peer's own credit is low:
     /// [`MessageCore::credit_low`]); a READ consumes no receive WR and is
     /// never solicited.
     pub solicited: bool,
@@ -1172,9 +1174,10 @@ impl MessageCore {
     }
 
     /// The peer's credit is at most [`CONTROL_RESERVE`]: a message, DONE,
-    /// CREDIT or CLOSE may be waiting for the peer's CREDIT, which is posted
-    /// without the solicited-event bit (nothing waits on it otherwise), so
-    /// a CQ armed for solicited events only would not announce it.
+    /// CREDIT or CLOSE may be waiting for the peer's CREDIT, which goes
+    /// without the solicited-event bit while it leaves the peer's own
+    /// credit above the reserve ([`MsgTransmit::solicited`]), so a CQ armed
+    /// for solicited events only would not announce it.
     pub fn credit_low(&self) -> bool {
         self.peer_credit <= CONTROL_RESERVE
     }
@@ -1474,7 +1477,7 @@ impl MessageCore {
         self.note_stalls();
         let action = self.next_action()?;
         let mut always_signal = false;
-        let solicited = !matches!(action, Action::Credit(_) | Action::Read);
+        let credit = matches!(action, Action::Credit(_));
         let (kind, wr_kind) = match action {
             Action::Abort(code) => {
                 if let Some((_, sent)) = &mut self.local_abort {
@@ -1575,6 +1578,14 @@ impl MessageCore {
         if !matches!(kind, MsgTransmitKind::Read { .. }) {
             self.peer_credit -= 1;
         }
+        // A CREDIT that leaves this side's credit at the reserve is
+        // solicited: the peer, whose CQ may be armed for solicited events
+        // only, must poll what this side sent to return credit for it.
+        let solicited = match kind {
+            MsgTransmitKind::Read { .. } => false,
+            _ if credit => self.peer_credit <= CONTROL_RESERVE,
+            _ => true,
+        };
         if matches!(kind, MsgTransmitKind::Control { .. }) {
             self.stats.control_sent += 1;
         }
