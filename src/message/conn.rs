@@ -447,7 +447,7 @@ impl MsgState {
     /// calls nothing on the endpoint after them). Each completion event
     /// woke the driver, on the multi-thread runtime another thread that met
     /// the sender on the lock, to post a burst of a few messages; left to
-    /// the sender, 64 B messages with `send()` each went at 1.34-1.60x the
+    /// the sender, 64 B messages with `send()` each went at 1.06-1.61x the
     /// rate (benches/README.md, "A sustained stream posts its own queue").
     /// A parked task (a `recv`) still gets its wake-up: the deferral
     /// widens the arm, and the woken task's drain posts the queue. So does

@@ -492,7 +492,7 @@ impl MessageEndpoint {
     /// nothing is called on the endpoint after them. Measured in guest
     /// runs, 64 B messages with `send()` each went from 0.38-0.49 to
     /// 0.61-0.68 of `ib_send_bw -s 64`'s message rate with the batching,
-    /// and on the multi-thread runtime by 1.08-1.51x more with the
+    /// and on the multi-thread runtime by 1.06-1.61x more with the
     /// sustained stream posting its own queue.
     ///
     /// # Errors
