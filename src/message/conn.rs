@@ -451,12 +451,11 @@ impl MsgState {
     /// rate (benches/README.md, "A sustained stream posts its own queue").
     /// A parked task (a `recv`) still gets its wake-up: the deferral
     /// widens the arm, and the woken task's drain posts the queue. So does
-    /// a message held back by low credit (`send()` checks
-    /// [`MessageCore::credit_low`] too): the peer's CREDIT must wake
-    /// someone, or a stream paced by its receiver would go at one tick's
-    /// worth of credit per tick.
+    /// a message held back by low credit ([`MessageCore::credit_low`]):
+    /// the peer's CREDIT must wake someone, or a stream paced by its
+    /// receiver would go at one tick's worth of credit per tick.
     fn defer_to_completion(&self) -> bool {
-        !self.sent_last_period || !self.receivers.is_empty()
+        !self.sent_last_period || !self.receivers.is_empty() || self.core.credit_low()
     }
 
     /// A task starts waiting on something a send completion may bring
@@ -760,7 +759,7 @@ impl MsgConn {
         st.sent_since_tick = true;
         if st.core.queued() > 0 && !defer {
             st.sends_deferred += 1;
-            if st.defer_to_completion() || st.core.credit_low() {
+            if st.defer_to_completion() {
                 st.widen_arm();
             }
         }

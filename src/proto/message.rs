@@ -1583,7 +1583,7 @@ impl MessageCore {
         // only, must poll what this side sent to return credit for it.
         let solicited = match kind {
             MsgTransmitKind::Read { .. } => false,
-            _ if credit => self.peer_credit <= CONTROL_RESERVE,
+            _ if credit => self.credit_low(),
             _ => true,
         };
         if matches!(kind, MsgTransmitKind::Control { .. }) {

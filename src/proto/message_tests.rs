@@ -273,8 +273,11 @@ impl Side {
         let credit = matches!(t.kind, MsgTransmitKind::Control { imm }
             if matches!(MsgImm::decode(imm), Ok(MsgImm::Credit { .. })));
         let read = matches!(t.kind, MsgTransmitKind::Read { .. });
-        let low = self.core.peer_credit() <= CONTROL_RESERVE;
-        assert_eq!(t.solicited, !read && (!credit || low), "{t:?}");
+        assert_eq!(
+            t.solicited,
+            !read && (!credit || self.core.credit_low()),
+            "{t:?}"
+        );
         self.log.push(t);
         self.wire.push_back(InFlight { t, copied });
         Some(t)
