@@ -33,14 +33,28 @@ const WC_WR_FLUSH_ERR: u32 = 5;
 /// many are queued (or at `poll_flush`).
 const FEED_BATCH: usize = 32;
 
-/// `send()` posts at once while fewer than this many WRs are outstanding
-/// (a lone request goes out without delay); beyond it the message waits in
+/// An eager `send()` posts at once while fewer than this many WRs are
+/// outstanding (a lone request goes out without delay; a rendezvous always
+/// goes at once: [`send_posts_at_once`]); beyond it the message waits in
 /// the queue and goes out with the next doorbell, together with
 /// everything queued since: at the next completion's drain, the sender's
 /// own next post ([`FEED_BATCH`] queued) or wait, or, for a sustained
 /// stream, the driver's tick (see [`MsgState::defer_to_completion`]).
 /// Every burst ends with a signaled WR, so that completion comes.
 const POST_AT_ONCE_BELOW: usize = 4;
+
+/// Whether a `send()` (`defer` false) or a `Sink` feed (`defer` true)
+/// posts what is queued at once, given the core's WRs outstanding. An
+/// eager `send()` posts at once below [`POST_AT_ONCE_BELOW`]; a rendezvous
+/// `send()` always does (what it posts is its window bind and RTS, or,
+/// blocked on `max_rendezvous_in_flight`, the completions the call polls
+/// free a slot for it): the peer's READ cannot start before the RTS
+/// arrives, and the transfer costs far more than the doorbell a batch
+/// saves. 1 MiB messages one way on current_thread went at 1.05-1.11x
+/// the rate (benches/README.md, "A rendezvous send posts at once").
+fn send_posts_at_once(defer: bool, rendezvous: bool, outstanding_wrs: usize) -> bool {
+    !defer && (rendezvous || outstanding_wrs < POST_AT_ONCE_BELOW)
+}
 
 /// A message endpoint's connection: the core's shared connection around a
 /// [`MsgState`].
@@ -752,7 +766,8 @@ impl MsgConn {
                     .unwrap_or_else(|| Error::PeerDisconnected.into()),
             });
         }
-        let at_once = !defer && st.core.outstanding_wrs() < POST_AT_ONCE_BELOW;
+        let rendezvous = out.len > u64::from(st.core.params().eager_max);
+        let at_once = send_posts_at_once(defer, rendezvous, st.core.outstanding_wrs());
         if at_once || st.core.queued() >= FEED_BATCH {
             st.settle();
         }
@@ -915,4 +930,27 @@ pub(crate) fn start(
         keepalive: cfg.rdma.keepalive,
         kind: "message",
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{POST_AT_ONCE_BELOW, send_posts_at_once};
+
+    #[test]
+    fn a_rendezvous_send_posts_at_once_and_an_eager_one_below_the_bound() {
+        let below = POST_AT_ONCE_BELOW - 1;
+        // send(), eager: at once only below the bound.
+        assert!(send_posts_at_once(false, false, 0));
+        assert!(send_posts_at_once(false, false, below));
+        assert!(!send_posts_at_once(false, false, POST_AT_ONCE_BELOW));
+        assert!(!send_posts_at_once(false, false, 200));
+        // send(), rendezvous: always.
+        assert!(send_posts_at_once(false, true, 0));
+        assert!(send_posts_at_once(false, true, POST_AT_ONCE_BELOW));
+        assert!(send_posts_at_once(false, true, 200));
+        // A Sink feed never does (its flush or FEED_BATCH posts).
+        for (rendezvous, outstanding) in [(false, 0), (true, 0), (true, 200)] {
+            assert!(!send_posts_at_once(true, rendezvous, outstanding));
+        }
+    }
 }

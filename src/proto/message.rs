@@ -800,8 +800,10 @@ pub struct MessageStats {
     pub rendezvous_stalls: u64,
     /// Times work was blocked on a full send queue, once per blocked period.
     pub send_queue_stalls: u64,
-    /// `send()` calls that left their message queued for a later doorbell
-    /// (at least 4 WRs outstanding; filled by the endpoint).
+    /// `send()` calls that left their message queued for a later doorbell:
+    /// an eager message with at least 4 WRs outstanding, or any message
+    /// behind credit or `max_rendezvous_in_flight` (filled by the
+    /// endpoint).
     pub sends_deferred: u64,
     /// Memory-window binds posted: one per rendezvous announced (filled by
     /// the endpoint; 0 from the core alone).
