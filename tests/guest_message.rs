@@ -265,6 +265,49 @@ async fn an_idle_senders_buffers_come_back_without_another_call() {
     assert_eq!(client.stats().messages_sent, 3);
 }
 
+/// A receiver that takes one message and then calls nothing on its
+/// endpoint still has its peer's rendezvous read: READs held back while a
+/// complete message waits to be taken (on rxe a READ between two ends of
+/// one device runs inside its post) go at the driver's next tick, so the
+/// sender's `flush` (every message read by the peer) returns. The rest
+/// arrive intact afterwards. No keepalive: a miss is a hang, bounded here.
+async fn held_reads_go_at_the_tick_when_the_receiver_stops_taking() {
+    let (client, server) = pair(&MessageConfig::new(), &MessageConfig::new()).await;
+    const LEN: usize = 64 * 1024;
+    for seed in 0..4 {
+        send_pattern(&client, seed, LEN).await;
+    }
+    let first = server.recv().await.expect("recv").expect("a message");
+    assert_eq!(first[..], pattern(0, LEN)[..], "message 0");
+    drop(first);
+    // Nothing is called on the server from here until the flush returned.
+    let flushed = tokio::time::timeout(Duration::from_secs(20), client.flush()).await;
+    assert!(
+        matches!(flushed, Ok(Ok(()))),
+        "flush: {flushed:?}; client {:?}",
+        client.stats()
+    );
+    for seed in 1..4 {
+        let msg = server.recv().await.expect("recv").expect("a message");
+        assert_eq!(msg[..], pattern(seed, LEN)[..], "message {seed}");
+    }
+    let stats = server.stats();
+    assert_eq!(stats.rendezvous_received, 4);
+    assert_eq!(stats.read_bytes, 4 * LEN as u64);
+    client.close().await.expect("close");
+    assert!(server.recv().await.expect("recv after close").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_reads_go_at_the_tick_when_the_receiver_stops_taking_multi_thread() {
+    held_reads_go_at_the_tick_when_the_receiver_stops_taking().await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn held_reads_go_at_the_tick_when_the_receiver_stops_taking_current_thread() {
+    held_reads_go_at_the_tick_when_the_receiver_stops_taking().await;
+}
+
 /// A sustained stream (sending through more than one of the driver's
 /// 5 ms ticks) leaves its queue to itself and the tick, not to the next
 /// completion: its last messages, left queued by `send()` with 4 WRs or

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::pool::{ExhaustedPolicy, MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolError};
 use crate::proto::message::{
     ABORT_CODE_APPLICATION, Delivery, MessageCore, MessageError, MessageStats, MsgEvent,
-    MsgTransmit, OutboundMessage, RecvDisposition, SendError, abort_code_reason,
+    MsgTransmit, MsgTransmitKind, OutboundMessage, RecvDisposition, SendError, abort_code_reason,
 };
 use crate::verbs::rc::{Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RcQueuePair};
 
@@ -111,6 +111,11 @@ pub(crate) struct MsgState {
     /// `send()` calls that left their message queued (see
     /// [`POST_AT_ONCE_BELOW`]).
     sends_deferred: u64,
+    /// READs held back while a complete message waits to be taken
+    /// ([`MsgState::settle`]): the driver ticks until they go.
+    reads_waiting: bool,
+    /// The driver's tick is running its round: held READs go.
+    tick_round: bool,
     scratch: Vec<Completion>,
     /// Reused list of WRs posted together.
     batch: Vec<MsgTransmit>,
@@ -411,11 +416,42 @@ impl MsgState {
             }
             let mut posted = false;
             if !self.peer_closed && !self.closing {
+                // A message delivered before more is read: rxe runs an RDMA
+                // READ inside its post when both ends share the device, so
+                // a drain that read every rendezvous it knew of held the
+                // first message back for all of their transfers, and an
+                // echo's two processes took turns instead of overlapping
+                // (benches/README.md, "A message delivered before more is
+                // read"). On a NIC a READ completes later and nothing is
+                // deliverable while they are posted. The driver's tick lets
+                // held READs go, so a receiver that does not take its
+                // messages holds the peer's rendezvous for a tick at most.
+                let hold = self.core.has_deliverable() && !self.tick_round;
+                self.core.set_reads_held(hold);
+                self.reads_waiting = hold && self.core.reads_due();
                 let mut batch = std::mem::take(&mut self.batch);
                 batch.clear();
                 while let Some(t) = self.core.poll_transmit() {
                     trace!(?t, "post");
+                    let read_of = match t.kind {
+                        MsgTransmitKind::Read { local_token, .. } => Some(local_token),
+                        _ => None,
+                    };
+                    let signaled = t.signaled;
                     batch.push(t);
+                    // One message's READs per doorbell: the core signals
+                    // the READ that finishes a message's reads, and the
+                    // next message's READs wait for the next round, which
+                    // sees whether this one completed inside the post.
+                    if signaled
+                        && read_of.is_some()
+                        && self
+                            .core
+                            .next_read_destination()
+                            .is_some_and(|next| Some(next) != read_of)
+                    {
+                        break;
+                    }
                 }
                 posted = !batch.is_empty();
                 if let Err(e) = self.qp.post(&batch) {
@@ -427,6 +463,7 @@ impl MsgState {
                 break;
             }
         }
+        self.tick_round = false;
     }
 
     /// Drains the CQ and does the follow-up work.
@@ -608,11 +645,13 @@ impl Driven for MsgState {
     fn needs_tick(&self) -> bool {
         self.sent_since_tick
             || self.sent_last_period
+            || self.reads_waiting
             || (self.qp.sends_held() > 0 && self.solicited_events_suffice())
     }
 
     fn on_tick(&mut self) {
         self.sent_last_period = std::mem::take(&mut self.sent_since_tick);
+        self.tick_round = true;
     }
 
     fn on_armed(&mut self, solicited_only: bool) {
@@ -667,6 +706,9 @@ impl MsgConn {
         if !Self::recv_ready(&st) {
             st = self.wait_recv(st, cx);
         }
+        // A drain here may have held READs back (a message waits): the
+        // driver's tick lets them go if this task does not come back.
+        self.ensure_tick(&st);
         if Self::recv_ready(&st) {
             st.spin.ready();
             st.qp.qp_ref().unpark();
@@ -684,6 +726,7 @@ impl MsgConn {
             };
             // Taking the message made its slot returnable: credit may be due.
             st.settle();
+            self.ensure_tick(&st);
             return Poll::Ready(match msg {
                 Some(buf) => Ok(Some(buf.freeze())),
                 None => {
@@ -724,6 +767,7 @@ impl MsgConn {
             return Poll::Ready(Ok(()));
         }
         st.drain();
+        self.ensure_tick(&st);
         if let Some(e) = Self::send_error(&st) {
             return Poll::Ready(Err(e));
         }
@@ -788,11 +832,11 @@ impl MsgConn {
         let mut st = self.lock();
         st.drain();
         self.nudge_if_failed(&st);
+        self.ensure_tick(&st);
         if let Some(e) = Self::send_error(&st) {
             return Poll::Ready(Err(e));
         }
         if st.core.queued() == 0 {
-            self.ensure_tick(&st);
             return Poll::Ready(Ok(()));
         }
         st.senders.register(cx.waker());
@@ -804,6 +848,7 @@ impl MsgConn {
         let mut st = self.lock();
         st.drain();
         self.nudge_if_failed(&st);
+        self.ensure_tick(&st);
         if let Some(e) = st.error_io() {
             return Poll::Ready(Err(e));
         }
@@ -918,6 +963,8 @@ pub(crate) fn start(
         sent_since_tick: false,
         sent_last_period: false,
         sends_deferred: 0,
+        reads_waiting: false,
+        tick_round: false,
         scratch: Vec::with_capacity(64),
         batch: Vec::with_capacity(64),
     };

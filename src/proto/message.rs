@@ -966,6 +966,8 @@ pub struct MessageCore {
     credit_stalled: bool,
     rdv_stalled: bool,
     sq_stalled: bool,
+    /// READs held back by the runtime ([`MessageCore::set_reads_held`]).
+    reads_held: bool,
 
     stats: MessageStats,
 }
@@ -1088,6 +1090,7 @@ impl MessageCore {
             next_wr_id: 1,
             outstanding: VecDeque::new(),
             unsignaled_run: 0,
+            reads_held: false,
             inbox: VecDeque::new(),
             inbox_base: 0,
             reading: VecDeque::new(),
@@ -1187,6 +1190,35 @@ impl MessageCore {
     /// Messages queued and not yet posted.
     pub fn queued(&self) -> usize {
         self.queue.len()
+    }
+
+    /// Whether a rendezvous has a destination and bytes left to READ
+    /// (posted or held back by [`set_reads_held`](MessageCore::set_reads_held)).
+    pub fn reads_due(&self) -> bool {
+        self.read_target().is_some()
+    }
+
+    /// Holds RDMA READs back (`true`) or lets them go (`false`, the
+    /// default): while held, [`poll_transmit`](MessageCore::poll_transmit)
+    /// returns everything else (queued messages, CREDIT, DONE) and no READ,
+    /// and the last WR it returns is signaled as if no READ were due. A
+    /// close of this side ([`close`](MessageCore::close)) lets them go
+    /// whatever is set, as it needs every rendezvous of the peer read.
+    pub fn set_reads_held(&mut self, held: bool) {
+        self.reads_held = held;
+    }
+
+    /// The destination token of the READ that
+    /// [`poll_transmit`](MessageCore::poll_transmit) returns next, if its
+    /// next WR is a READ.
+    pub fn next_read_destination(&self) -> Option<u64> {
+        if self.outstanding.len() >= usize::from(self.p.send_queue_depth) {
+            return None;
+        }
+        match self.next_action_any_slot() {
+            Some(Action::Read) => self.read_target().and_then(|i| self.reading[i].dest),
+            _ => None,
+        }
     }
 
     /// Rendezvous posted whose DONE has not arrived.
@@ -1409,7 +1441,7 @@ impl MessageCore {
         if self.dones_owed > 0 && self.peer_credit >= 2 {
             return Some(Action::Done);
         }
-        if self.read_target().is_some() {
+        if self.read_target().is_some() && !self.reads_held_now() {
             return Some(Action::Read);
         }
         if self.eager_can_go() {
@@ -1420,6 +1452,12 @@ impl MessageCore {
             && !self.queue.is_empty()
             && self.rts_outstanding.len() < usize::from(self.p.max_rendezvous_in_flight);
         rts_can_go.then_some(Action::Rts)
+    }
+
+    /// Whether READs wait now: held by the runtime, and no close of this
+    /// side's wants them done.
+    fn reads_held_now(&self) -> bool {
+        self.reads_held && self.close == CloseState::Open
     }
 
     /// The next queued message is EAGER and the peer's credit lets it go.
@@ -1517,6 +1555,9 @@ impl MessageCore {
                 let len = (r.header.len - r.issued).min(max) as u32;
                 let local_offset = r.issued;
                 r.issued += u64::from(len);
+                // The READ that finishes a message's reads is signaled:
+                // the runtime may end a doorbell's batch after it.
+                always_signal = r.issued == r.header.len;
                 let kind = MsgTransmitKind::Read {
                     local_token,
                     local_offset,

@@ -1694,14 +1694,17 @@ fn exhaustive_small_configurations_never_deadlock() {
     // States count WRs in flight with their solicited bit: a CREDIT's
     // depends on its sender's credit when posted (protocol version 8), so
     // three cases count more states than with the bit constant (6187,
-    // 12,151, 54,383), the same transitions.
+    // 12,151, 54,383), the same transitions. The READ that finishes a
+    // message's reads is signaled (so the runtime may end a doorbell
+    // after it): the two-rendezvous cases went from 6242 and 12,229
+    // states to 5658 and 12,617.
     let cases: [(Cfg, Cfg, [&[u64]; 2], usize); 5] = [
         // Rendezvous (3 bytes: 2 READs) between eager messages, one way.
         (TINY, TINY, [&[1, 3, 0], &[]], 982),
         // Both ways, a rendezvous each.
-        (TINY, TINY, [&[2], &[3]], 6242),
+        (TINY, TINY, [&[2], &[3]], 5658),
         // Two rendezvous with a bound of 1, and a 1-slot send queue.
-        (sq1, TINY, [&[2, 2], &[1]], 12_229),
+        (sq1, TINY, [&[2, 2], &[1]], 12_617),
         // More messages than credits.
         (TINY, TINY, [&[0, 1, 0, 1, 0, 1], &[]], 3498),
         // More messages than the initial credit, growth on the way.
@@ -1717,12 +1720,13 @@ fn exhaustive_closing_after_request_and_response() {
     /// Messages of each side, which sides close, states explored.
     type Case = ([&'static [u64]; 2], [bool; 2], usize);
     // The rendezvous case counted 9622 states with the solicited bit
-    // constant (see above).
+    // constant, and 9791 before a message's last READ was signaled (see
+    // above).
     let cases: [Case; 4] = [
         // A request and an eager response; the client closes.
         ([&[1], &[0]], [true, false], 287),
         // A rendezvous each way; the client closes.
-        ([&[3], &[2]], [true, false], 9791),
+        ([&[3], &[2]], [true, false], 8162),
         // Both close, possibly at once.
         ([&[1], &[3]], [true, true], 3274),
         // More messages than credits, then the receiver closes.
@@ -2364,4 +2368,99 @@ fn the_credit_that_spends_the_senders_credit_to_the_reserve_is_solicited() {
     assert_eq!(pair.s[B].core.peer_credit(), 4);
     pair.s[B].send(10).unwrap();
     assert_eq!(pair.s[B].post_all(), 1);
+}
+
+/// While the runtime holds READs back, everything else goes (a queued
+/// message, signaled as the last WR that can go) and no READ; let go, the
+/// READs come in RTS order, the one that finishes a message's reads
+/// signaled, and `next_read_destination` names the next message's
+/// destination after it. A close of this side lets held READs go.
+#[test]
+fn held_reads_let_the_rest_go_and_a_messages_last_read_is_signaled() {
+    let cfg = Cfg {
+        recv_depth: 8,
+        eager_max: 100,
+        max_read_len: 4096,
+        signal_interval: 16,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    // Two rendezvous of 10,000 bytes: READs of 4096, 4096 and 1808 each.
+    pair.s[A].send(10_000).unwrap();
+    pair.s[A].send(10_000).unwrap();
+    assert_eq!(pair.s[A].post_all(), 2);
+    assert_eq!(pair.deliver_all(A), 2);
+    assert_eq!(pair.s[B].events(), 2);
+    assert!(pair.s[B].answer_alloc());
+    assert!(pair.s[B].answer_alloc());
+    let b = &mut pair.s[B];
+    b.core.set_reads_held(true);
+    assert!(b.core.reads_due());
+    assert_eq!(b.core.next_read_destination(), None);
+    b.send(10).unwrap();
+    let t = b.post_one().expect("the eager message goes");
+    assert!(
+        matches!(t.kind, MsgTransmitKind::Eager { len: 10, .. }),
+        "{t:?}"
+    );
+    assert!(t.signaled, "the last WR that can go");
+    assert!(b.post_one().is_none(), "no READ while held");
+    b.core.set_reads_held(false);
+    let first = b.core.next_read_destination().expect("a READ is next");
+    let mut reads = Vec::new();
+    for _ in 0..6 {
+        let t = b.post_one().expect("a READ");
+        let MsgTransmitKind::Read {
+            local_token, len, ..
+        } = t.kind
+        else {
+            panic!("{t:?}");
+        };
+        reads.push((local_token, len, t.signaled));
+        if reads.len() == 3 {
+            let second = b.core.next_read_destination().expect("the next READ");
+            assert_ne!(second, first);
+        }
+    }
+    let second = reads[3].0;
+    assert_eq!(
+        reads,
+        [
+            (first, 4096, false),
+            (first, 4096, false),
+            (first, 1808, true),
+            (second, 4096, false),
+            (second, 4096, false),
+            (second, 1808, true),
+        ]
+    );
+    assert!(!b.core.reads_due());
+    assert_eq!(b.core.next_read_destination(), None);
+
+    // A close wants the peer's rendezvous read: held READs go.
+    let mut pair = Pair::symmetric(cfg);
+    pair.s[A].send(5000).unwrap();
+    assert_eq!(pair.s[A].post_all(), 1);
+    assert_eq!(pair.deliver_all(A), 1);
+    assert_eq!(pair.s[B].events(), 1);
+    assert!(pair.s[B].answer_alloc());
+    let b = &mut pair.s[B];
+    b.core.set_reads_held(true);
+    assert!(b.post_one().is_none());
+    b.core.close();
+    let dest = b
+        .core
+        .next_read_destination()
+        .expect("READ goes for the close");
+    let t = b.post_one().expect("a READ");
+    assert!(
+        matches!(t.kind, MsgTransmitKind::Read { local_token, len: 4096, .. } if local_token == dest),
+        "{t:?}"
+    );
+    assert!(!t.signaled);
+    let t = b.post_one().expect("the last READ");
+    assert!(
+        matches!(t.kind, MsgTransmitKind::Read { len: 904, .. }) && t.signaled,
+        "{t:?}"
+    );
 }
