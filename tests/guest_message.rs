@@ -270,13 +270,16 @@ async fn an_idle_senders_buffers_come_back_without_another_call() {
 /// complete message waits to be taken (on rxe a READ between two ends of
 /// one device runs inside its post) go at the driver's next tick, so the
 /// sender's `flush` (every message read by the peer) returns. The rest
-/// arrive intact afterwards. No keepalive: a miss is a hang, bounded here.
+/// arrive intact afterwards. A miss is a hang, bounded here by 20 s.
 async fn held_reads_go_at_the_tick_when_the_receiver_stops_taking() {
     let (client, server) = pair(&MessageConfig::new(), &MessageConfig::new()).await;
     const LEN: usize = 64 * 1024;
     for seed in 0..4 {
         send_pattern(&client, seed, LEN).await;
     }
+    // The server answers as it takes (the hold is for an endpoint that
+    // also sends).
+    send_pattern(&server, 9, 8).await;
     let first = server.recv().await.expect("recv").expect("a message");
     assert_eq!(first[..], pattern(0, LEN)[..], "message 0");
     drop(first);
@@ -292,8 +295,13 @@ async fn held_reads_go_at_the_tick_when_the_receiver_stops_taking() {
         assert_eq!(msg[..], pattern(seed, LEN)[..], "message {seed}");
     }
     let stats = server.stats();
+    // rxe ran the READs inside their posts: the drain that completed the
+    // first message held the rest back at least once.
+    assert!(stats.reads_held >= 1, "{stats:?}");
     assert_eq!(stats.rendezvous_received, 4);
     assert_eq!(stats.read_bytes, 4 * LEN as u64);
+    let answer = client.recv().await.expect("recv").expect("the answer");
+    assert_eq!(answer[..], pattern(9, 8)[..]);
     client.close().await.expect("close");
     assert!(server.recv().await.expect("recv after close").is_none());
 }

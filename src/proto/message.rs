@@ -63,7 +63,9 @@
 //! for the application are bounded by `recv_depth`, and an application that
 //! stops taking messages stalls its peer's sender after its credit is spent:
 //! flow control, with nothing lost. Control traffic (CREDIT, DONE) and the
-//! rendezvous READs never depend on the application.
+//! rendezvous READs never depend on the application (a runtime may hold
+//! READs back for a while, [`MessageCore::set_reads_held`], and must let
+//! them go on its own: the endpoint's driver does at its next tick).
 //!
 //! Credit returns with the next EAGER (every returnable slot, in its
 //! immediate's low bits), or by CREDIT when the returnable slots reach
@@ -91,7 +93,8 @@
 //!    a CREDIT first. DONE blocks at `c <= 1`, a stronger condition, and is
 //!    unblocked the same way.
 //! 3. *A rendezvous completes without the application:* the READs need only
-//!    send-queue slots and the runtime's destination; the DONE needs 2
+//!    send-queue slots, the runtime's destination and, when the runtime
+//!    holds them back, its letting them go; the DONE needs 2
 //!    credits, which 2. provides. So an eager message held behind a
 //!    rendezvous is released, and a sender blocked on
 //!    `max_rendezvous_in_flight` gets its DONE.
@@ -805,6 +808,11 @@ pub struct MessageStats {
     /// behind credit or `max_rendezvous_in_flight` (filled by the
     /// endpoint).
     pub sends_deferred: u64,
+    /// Times this endpoint held RDMA READs back because a complete message
+    /// waited to be taken, once per held period (they go when the
+    /// application takes it or at the connection driver's next tick;
+    /// filled by the endpoint).
+    pub reads_held: u64,
     /// Memory-window binds posted: one per rendezvous announced (filled by
     /// the endpoint; 0 from the core alone).
     pub window_binds: u64,
