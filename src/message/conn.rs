@@ -433,6 +433,7 @@ impl MsgState {
                 // on schedule while READs are held) lets them go, so a
                 // receiver that does not take its messages holds the
                 // peer's rendezvous for about a tick.
+                //
                 // Only for an endpoint that also sends (in this tick period
                 // or the last), whose answers the hold lets go between the
                 // reads: a receiver that only takes gains nothing, and on

@@ -19,12 +19,13 @@
 //! taken: the READs of rendezvous announced since then wait until the
 //! application takes it (`recv`), or for the connection driver's next
 //! tick (5 ms) when it does not ([`MessageStats::reads_held`] counts these
-//! holds), and it posts one message's READs per doorbell. On rxe a READ between two ends of one device runs inside
-//! its post, so reading every announced rendezvous before handing out the
-//! first held an echo's answers back by all of their transfers
-//! (benches/README.md, "A message delivered before more is read"); on a
-//! NIC a READ completes after its post returns, so the READs of rendezvous
-//! announced together still go in one drain.
+//! holds), and it posts one message's READs per doorbell. On rxe a READ
+//! between two ends of one device runs inside its post, so reading every
+//! announced rendezvous before handing out the first held an echo's
+//! answers back by all of their transfers (benches/README.md, "A message
+//! delivered before more is read"); on a NIC a READ completes after its
+//! post returns, so the READs of rendezvous announced together still go
+//! in one drain.
 //!
 //! # Ports
 //!
