@@ -35,6 +35,13 @@ const WC_WR_FLUSH_ERR: u32 = 5;
 /// many are queued (or at `poll_flush`).
 const FEED_BATCH: usize = 32;
 
+/// An endpoint that sent within its last this many takes answers what it
+/// takes (an RPC server, an echo, a pipelining client): its drains hold
+/// READs while a message waits ([`MsgState::settle`]), whatever the time
+/// between its sends. 16 covers a request answered after a few more were
+/// taken; a receiver that only takes stops holding after 16 messages.
+const ANSWER_TAKES: u32 = 16;
+
 /// An eager `send()` posts at once while fewer than this many WRs are
 /// outstanding (a lone request goes out without delay; a rendezvous always
 /// goes at once: [`send_posts_at_once`]); beyond it the message waits in
@@ -56,6 +63,17 @@ const POST_AT_ONCE_BELOW: usize = 4;
 /// the rate (benches/README.md, "A rendezvous send posts at once").
 fn send_posts_at_once(defer: bool, rendezvous: bool, outstanding_wrs: usize) -> bool {
     !defer && (rendezvous || outstanding_wrs < POST_AT_ONCE_BELOW)
+}
+
+/// Whether a drain may hold READs back while a complete message waits, and
+/// post one message's READs per doorbell ([`MsgState::settle`]): not in the
+/// driver's tick round (held READs go then); otherwise for an endpoint that
+/// sent in this tick period or the last (`sent_recently`), or within its
+/// last [`ANSWER_TAKES`] takes, whatever the time between its sends (a
+/// 1 MiB echo answers about every 40-70 ms in the guest, far outside two
+/// 5 ms tick periods).
+fn may_hold_reads(tick_round: bool, sent_recently: bool, takes_since_send: u32) -> bool {
+    !tick_round && (sent_recently || takes_since_send <= ANSWER_TAKES)
 }
 
 /// A message endpoint's connection: the core's shared connection around a
@@ -120,6 +138,11 @@ pub(crate) struct MsgState {
     reads_holds: u64,
     /// The driver's tick is running its round: held READs go.
     tick_round: bool,
+    /// Messages the application took since its last `send()`, saturating;
+    /// starts at [`ANSWER_TAKES`] + 1 (no send yet). An endpoint whose
+    /// count is at most [`ANSWER_TAKES`] answers what it takes, and
+    /// [`MsgState::settle`] holds READs for it.
+    takes_since_send: u32,
     scratch: Vec<Completion>,
     /// Reused list of WRs posted together.
     batch: Vec<MsgTransmit>,
@@ -435,13 +458,22 @@ impl MsgState {
                 // peer's rendezvous for about a tick.
                 //
                 // Only for an endpoint that also sends (in this tick period
-                // or the last), whose answers the hold lets go between the
-                // reads: a receiver that only takes gains nothing, and on
-                // the multi-thread runtime its driver and application
+                // or the last, or within its last ANSWER_TAKES takes:
+                // `may_hold_reads`), whose answers the hold lets go between
+                // the reads: a receiver that only takes gains nothing, and
+                // on the multi-thread runtime its driver and application
                 // read on two threads (1 MiB one way went at 0.87-0.88x
                 // with the hold, 0.92-0.96x with only the doorbell per
-                // message below); it posts as before.
-                let may_hold = !self.tick_round && (self.sent_since_tick || self.sent_last_period);
+                // message below); it posts as before. The count of takes
+                // is what keeps a 1 MiB echo holding: its answers come
+                // tens of milliseconds apart (1.75-1.95x with it,
+                // benches/README.md, "An endpoint that answers what it
+                // takes").
+                let may_hold = may_hold_reads(
+                    self.tick_round,
+                    self.sent_since_tick || self.sent_last_period,
+                    self.takes_since_send,
+                );
                 let hold = may_hold && self.core.has_deliverable();
                 self.core.set_reads_held(hold);
                 let waiting = hold && self.core.reads_due();
@@ -765,6 +797,7 @@ impl MsgConn {
                     })
                 }
             };
+            st.takes_since_send = st.takes_since_send.saturating_add(1);
             // Taking the message made its slot returnable: credit may be due.
             st.settle();
             self.ensure_tick(&st);
@@ -853,6 +886,7 @@ impl MsgConn {
                     .unwrap_or_else(|| Error::PeerDisconnected.into()),
             });
         }
+        st.takes_since_send = 0;
         let rendezvous = out.len > u64::from(st.core.params().eager_max);
         let at_once = send_posts_at_once(defer, rendezvous, st.core.outstanding_wrs());
         if at_once || st.core.queued() >= FEED_BATCH {
@@ -1014,6 +1048,7 @@ pub(crate) fn start(
         reads_waiting: false,
         reads_holds: 0,
         tick_round: false,
+        takes_since_send: ANSWER_TAKES + 1,
         scratch: Vec::with_capacity(64),
         batch: Vec::with_capacity(64),
     };
@@ -1030,7 +1065,7 @@ pub(crate) fn start(
 
 #[cfg(test)]
 mod tests {
-    use super::{POST_AT_ONCE_BELOW, send_posts_at_once};
+    use super::{ANSWER_TAKES, POST_AT_ONCE_BELOW, may_hold_reads, send_posts_at_once};
 
     #[test]
     fn a_rendezvous_send_posts_at_once_and_an_eager_one_below_the_bound() {
@@ -1048,5 +1083,23 @@ mod tests {
         for (rendezvous, outstanding) in [(false, 0), (true, 0), (true, 200)] {
             assert!(!send_posts_at_once(true, rendezvous, outstanding));
         }
+    }
+
+    #[test]
+    fn reads_are_held_for_an_endpoint_that_answers_what_it_takes() {
+        let no_send_yet = ANSWER_TAKES + 1;
+        // Sent in this tick period or the last: held, however many taken.
+        assert!(may_hold_reads(false, true, no_send_yet));
+        assert!(may_hold_reads(false, true, u32::MAX));
+        // Sent within its last ANSWER_TAKES takes, long ago in time.
+        assert!(may_hold_reads(false, false, 0));
+        assert!(may_hold_reads(false, false, 1));
+        assert!(may_hold_reads(false, false, ANSWER_TAKES));
+        // A receiver that only takes (or has not sent yet): posts as before.
+        assert!(!may_hold_reads(false, false, no_send_yet));
+        assert!(!may_hold_reads(false, false, u32::MAX));
+        // The driver's tick round lets held READs go, whoever sent.
+        assert!(!may_hold_reads(true, true, 0));
+        assert!(!may_hold_reads(true, false, 0));
     }
 }

@@ -15,7 +15,7 @@
 //!
 //! A receiver READs the rendezvous it was announced as destinations allow
 //! (its [`MessageConfig::pool_quota`]). An endpoint that also sends (in the
-//! last 5-10 ms) holds READs back while a complete message waits to be
+//! last 5-10 ms, or within its last 16 messages taken) holds READs back while a complete message waits to be
 //! taken: the READs of rendezvous announced since then wait until the
 //! application takes it (`recv`), or for the connection driver's next
 //! tick (5 ms) when it does not ([`MessageStats::reads_held`] counts these
