@@ -7,6 +7,8 @@
 #![cfg(tokio_rdma_guest)]
 
 use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio_rdma::message::MessageStats;
@@ -937,6 +939,63 @@ async fn killed_peer_resolves_every_waiting_future_with_an_error() {
         .expect("every waiting future is woken");
     assert_eq!(errors, 64 + 4);
     drop(ep);
+    wait_in_use_zero(&pool).await;
+}
+
+/// `send_queue_bytes` bounds the bytes queued behind the rendezvous in
+/// flight: with the peer stopped (it never READs), 8 rendezvous of 1 MiB go
+/// (`max_rendezvous_in_flight`), 3 more queue up to the 3 MiB bound, and
+/// the 12th `send` waits; once the peer runs again every send returns and
+/// the peer receives all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_waits_while_the_queued_bytes_reach_their_bound() {
+    let addr = format!("{IP}:7705");
+    let child = tokio::process::Command::new(example("bulk_transfer"))
+        .args(["server", &addr])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pool = rxe_pool(256 * MIB, ExhaustedPolicy::Wait);
+    let cfg = MessageConfig::new()
+        .pool(pool.clone())
+        .send_queue_bytes(3 * MIB as u64);
+    let ep = retry(1200, || MessageEndpoint::connect_with(addr.as_str(), &cfg)).await;
+    signal(&child, "STOP");
+    let returned = Arc::new(AtomicUsize::new(0));
+    let sender = {
+        let (ep, returned) = (ep.clone(), returned.clone());
+        tokio::spawn(async move {
+            for _ in 0..20 {
+                let mut buf = ep.pool().alloc_any(MIB).await?;
+                buf.set_len(MIB);
+                ep.send(buf).await?;
+                returned.fetch_add(1, Ordering::SeqCst);
+            }
+            ep.flush().await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(returned.load(Ordering::SeqCst), 8 + 3);
+    assert_eq!(ep.stats().rendezvous_sent, 8);
+    signal(&child, "CONT");
+    tokio::time::timeout(Duration::from_secs(120), sender)
+        .await
+        .expect("the waiting send goes once the queue drains")
+        .unwrap()
+        .unwrap();
+    assert_eq!(returned.load(Ordering::SeqCst), 20);
+    ep.close().await.unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("the server ends after the close")
+        .unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.contains(&format!("received 20 messages, {} bytes", 20 * MIB)),
+        "{out}"
+    );
     wait_in_use_zero(&pool).await;
 }
 

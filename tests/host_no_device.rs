@@ -72,6 +72,7 @@ async fn message_endpoints_without_device_give_no_device_and_check_config() {
             "max_rendezvous_in_flight",
         ),
         (MessageConfig::new().send_queue_limit(0), "send_queue_limit"),
+        (MessageConfig::new().send_queue_bytes(0), "send_queue_bytes"),
     ] {
         let err = MessageEndpoint::connect_with("10.11.0.1:7480", &cfg)
             .await

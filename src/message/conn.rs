@@ -98,6 +98,8 @@ pub(crate) struct MsgState {
     /// quota.
     quota: Quota,
     send_queue_limit: usize,
+    /// [`MessageConfig::send_queue_bytes`](super::MessageConfig::send_queue_bytes).
+    send_queue_bytes: u64,
     /// The bound on waiting for the peer (`RdmaConfig::linger`).
     linger: std::time::Duration,
     /// Tasks waiting in `recv` (and the `Stream` impl).
@@ -527,6 +529,13 @@ impl MsgState {
         self.tick_round = false;
     }
 
+    /// Whether `send` may queue another message: fewer than
+    /// `send_queue_limit` messages and `send_queue_bytes` bytes queued.
+    fn send_queue_has_room(&self) -> bool {
+        self.core.queued() < self.send_queue_limit
+            && self.core.queued_bytes() < self.send_queue_bytes
+    }
+
     /// Drains the CQ and does the follow-up work.
     fn drain(&mut self) {
         self.poll_completions();
@@ -837,7 +846,7 @@ impl MsgConn {
         if let Some(e) = Self::send_error(&st) {
             return Poll::Ready(Err(e));
         }
-        if st.core.queued() < st.send_queue_limit {
+        if st.send_queue_has_room() {
             return Poll::Ready(Ok(()));
         }
         st.drain();
@@ -845,7 +854,7 @@ impl MsgConn {
         if let Some(e) = Self::send_error(&st) {
             return Poll::Ready(Err(e));
         }
-        if st.core.queued() < st.send_queue_limit {
+        if st.send_queue_has_room() {
             return Poll::Ready(Ok(()));
         }
         st.senders.register(cx.waker());
@@ -1032,6 +1041,7 @@ pub(crate) fn start(
         allocs: VecDeque::new(),
         quota: Quota::new(quota),
         send_queue_limit: cfg.send_queue_limit,
+        send_queue_bytes: cfg.send_queue_bytes,
         linger: cfg.rdma.linger,
         receivers: WakerList::default(),
         spin: SpinWait::new(cfg.rdma.wait_strategy),

@@ -931,6 +931,8 @@ pub struct MessageCore {
 
     // Send side.
     queue: VecDeque<OutboundMessage>,
+    /// Bytes of the messages on `queue`.
+    queued_bytes: u64,
     /// RTS posted whose DONE has not arrived: (sequence number, token).
     rts_outstanding: VecDeque<(u32, u64)>,
     next_rts_seq: u32,
@@ -1092,6 +1094,7 @@ impl MessageCore {
         Ok(MessageCore {
             p,
             queue: VecDeque::new(),
+            queued_bytes: 0,
             rts_outstanding: VecDeque::new(),
             next_rts_seq: 0,
             peer_credit: p.peer_recv_initial,
@@ -1150,7 +1153,8 @@ impl MessageCore {
     /// rendezvous; messages are posted in the order queued. The runtime
     /// keeps the buffer untouched until [`MsgEvent::SendDone`] (or
     /// [`MsgEvent::Reclaim`]) names its token. The queue is unbounded; the
-    /// runtime applies back-pressure with [`queued`](MessageCore::queued).
+    /// runtime applies back-pressure with [`queued`](MessageCore::queued)
+    /// and [`queued_bytes`](MessageCore::queued_bytes).
     ///
     /// # Errors
     ///
@@ -1167,6 +1171,7 @@ impl MessageCore {
                 max: self.p.max_message_len,
             });
         }
+        self.queued_bytes += msg.len;
         self.queue.push_back(msg);
         Ok(())
     }
@@ -1198,6 +1203,12 @@ impl MessageCore {
     /// Messages queued and not yet posted.
     pub fn queued(&self) -> usize {
         self.queue.len()
+    }
+
+    /// Bytes of the messages queued and not yet posted (a rendezvous
+    /// counts its whole length until its RTS is posted).
+    pub fn queued_bytes(&self) -> u64 {
+        self.queued_bytes
     }
 
     /// Whether a rendezvous has a destination and bytes left to READ
@@ -1323,6 +1334,7 @@ impl MessageCore {
     fn reclaim_all(&mut self) {
         let mut tokens = Vec::new();
         tokens.extend(self.queue.drain(..).map(|m| m.token));
+        self.queued_bytes = 0;
         for w in &mut self.outstanding {
             if let WrKind::Eager { token } = w.kind {
                 tokens.push(token);
@@ -1579,6 +1591,7 @@ impl MessageCore {
             }
             Action::Eager => {
                 let m = self.queue.pop_front()?;
+                self.queued_bytes -= m.len;
                 // len <= eager_max <= 2^30.
                 let len = m.len as u32;
                 let inline = len <= self.p.inline_threshold;
@@ -1605,6 +1618,7 @@ impl MessageCore {
             }
             Action::Rts => {
                 let m = self.queue.pop_front()?;
+                self.queued_bytes -= m.len;
                 let seq = self.next_rts_seq;
                 self.next_rts_seq = (seq + 1) & MAX_IMM_VALUE;
                 self.rts_outstanding.push_back((seq, m.token));

@@ -541,6 +541,7 @@ impl Pair {
             assert!(me.allocs.is_empty());
             assert_eq!(me.core.outstanding_wrs(), 0);
             assert_eq!(me.core.queued(), 0);
+            assert_eq!(me.core.queued_bytes(), 0);
             assert_eq!(me.core.pending_recv(), 0);
             let s = me.core.stats();
             let ps = peer.core.stats();
@@ -743,6 +744,10 @@ fn interleaved_eager_and_rendezvous_keep_send_order() {
     );
     assert_eq!(pair.s[B].core.poll_recv(), None);
     assert_eq!(pair.s[A].core.queued(), 6);
+    assert_eq!(
+        pair.s[A].core.queued_bytes(),
+        8193 + 1 + 9000 + 9001 + 2 + 100_000
+    );
     assert_eq!(pair.s[A].core.rendezvous_outstanding(), 2);
     assert_eq!(pair.s[A].core.stats().rendezvous_stalls, 1);
     // Answer one allocation: the first rendezvous completes and releases
@@ -1369,7 +1374,9 @@ fn abort_case(aborter: usize) {
         assert_eq!(pair.s[side].bufs.len(), 1 + 3);
     }
     pair.s[aborter].send(20_000).unwrap();
+    assert_eq!(pair.s[aborter].core.queued_bytes(), 20_000);
     pair.s[aborter].core.abort(77);
+    assert_eq!(pair.s[aborter].core.queued_bytes(), 0);
     assert_eq!(pair.s[aborter].send(1), Err(SendError::Aborted));
     // Reclaimed: the queued message, the unfinished rendezvous send, the 3
     // received eager buffers. Nothing is left.
