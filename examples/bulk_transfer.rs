@@ -10,8 +10,8 @@
 //! The client sends `--bytes` of a deterministic pattern (generated
 //! straight into pool buffers, no copy) or a file's bytes (read straight
 //! into pool buffers), as messages of `--message-size` bytes (the last one
-//! shorter), with up to `--window` messages queued behind the peer's credit;
-//! then it flushes (every message taken by the peer) and closes. The server
+//! shorter), with up to `--window` messages (and 4 MiB, the default
+//! `send_queue_bytes`) queued behind the peer's credit; then it flushes (every message taken by the peer) and closes. The server
 //! accepts one connection, receives until the client closes and prints the
 //! message count, byte count and CRC-32 of everything received, in order.
 //! Compare the two CRC lines; `loopback` does it itself and exits with
@@ -113,7 +113,9 @@ struct SendArgs {
     #[arg(long, default_value = "1MiB", value_parser = parse_size)]
     message_size: u64,
     /// Messages queued behind the peer's credit before sending waits
-    /// (`MessageConfig::send_queue_limit`).
+    /// (`MessageConfig::send_queue_limit`; the bound in bytes,
+    /// `MessageConfig::send_queue_bytes`, 4 MiB by default, applies as
+    /// well).
     #[arg(long, default_value_t = 64)]
     window: usize,
     /// Bound on the sender's pool (default: room for two messages, at least

@@ -976,7 +976,16 @@ async fn send_waits_while_the_queued_bytes_reach_their_bound() {
             ep.flush().await
         })
     };
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Up to 60 s for the 11 sends (allocation, window bind, post each, in
+    // an emulated guest), then half a second in which the 12th must not
+    // return.
+    for _ in 0..6000 {
+        if returned.load(Ordering::SeqCst) >= 8 + 3 && ep.stats().rendezvous_sent >= 8 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(returned.load(Ordering::SeqCst), 8 + 3);
     assert_eq!(ep.stats().rendezvous_sent, 8);
     signal(&child, "CONT");

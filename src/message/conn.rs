@@ -39,7 +39,11 @@ const FEED_BATCH: usize = 32;
 /// takes (an RPC server, an echo, a pipelining client): its drains hold
 /// READs while a message waits ([`MsgState::settle`]), whatever the time
 /// between its sends. 16 covers a request answered after a few more were
-/// taken; a receiver that only takes stops holding after 16 messages.
+/// taken. A receiver that never sent never holds; one that sent and then
+/// only takes stops holding at its 17th take. The count moves only with
+/// takes: an endpoint that sent and then stops taking holds while a
+/// message waits, so its peer's READs go at the driver's ticks (all that
+/// are due, every 5 ms) until it takes again.
 const ANSWER_TAKES: u32 = 16;
 
 /// An eager `send()` posts at once while fewer than this many WRs are
@@ -1017,6 +1021,8 @@ impl MsgConn {
             })
             .map_err(io::Error::other)?;
         st.settle();
+        // Its drain may have held READs back.
+        self.ensure_tick(&st);
         Ok(())
     }
 }

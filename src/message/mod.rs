@@ -15,17 +15,17 @@
 //!
 //! A receiver READs the rendezvous it was announced as destinations allow
 //! (its [`MessageConfig::pool_quota`]). An endpoint that also sends (in the
-//! last 5-10 ms, or within its last 16 messages taken) holds READs back while a complete message waits to be
-//! taken: the READs of rendezvous announced since then wait until the
-//! application takes it (`recv`), or for the connection driver's next
-//! tick (5 ms) when it does not ([`MessageStats::reads_held`] counts these
-//! holds), and it posts one message's READs per doorbell. On rxe a READ
-//! between two ends of one device runs inside its post, so reading every
-//! announced rendezvous before handing out the first held an echo's
-//! answers back by all of their transfers (benches/README.md, "A message
-//! delivered before more is read"); on a NIC a READ completes after its
-//! post returns, so the READs of rendezvous announced together still go
-//! in one drain.
+//! last 5-10 ms, or within its last 16 messages taken) holds READs back
+//! while a complete message waits to be taken: the READs of rendezvous
+//! announced since then wait until the application takes it (`recv`), or
+//! for the connection driver's next tick (5 ms) when it does not
+//! ([`MessageStats::reads_held`] counts these holds), and it posts one
+//! message's READs per doorbell. On rxe a READ between two ends of one
+//! device runs inside its post, so reading every announced rendezvous
+//! before handing out the first held an echo's answers back by all of
+//! their transfers (benches/README.md, "A message delivered before more is
+//! read"); on a NIC a READ completes after its post returns, so the READs
+//! of rendezvous announced together still go in one drain.
 //!
 //! # Ports
 //!
@@ -188,7 +188,7 @@ impl MessageConfig {
     /// `send` (and the `Sink`'s `poll_ready`) waits, like a socket's send
     /// buffer (default 4 MiB, Linux's largest `tcp_wmem`; at least 1). A
     /// message is queued whenever the queue holds less, so one larger than
-    /// this still goes, alone. The [`send_queue_limit`](Self::send_queue_limit)
+    /// this still goes. The [`send_queue_limit`](Self::send_queue_limit)
     /// in messages applies as well. Rendezvous in flight
     /// ([`max_rendezvous_in_flight`](Self::max_rendezvous_in_flight)) are
     /// not queued: they already keep the wire busy, and a deeper queue
@@ -518,9 +518,10 @@ impl MessageEndpoint {
 
     /// Queues `msg` for sending, without copying its payload: the NIC reads
     /// it from its registered memory (an eager SEND, or the peer's RDMA READ
-    /// for a rendezvous). Waits while `send_queue_limit` messages are
-    /// queued behind the peer's credit. The message's memory is released
-    /// once the peer has it.
+    /// for a rendezvous). Waits while `send_queue_limit` messages or
+    /// `send_queue_bytes` bytes are queued behind the peer's credit or the
+    /// rendezvous in flight ([`MessageConfig::send_queue_bytes`]). The
+    /// message's memory is released once the peer has it.
     ///
     /// Posted at once while fewer than 4 work requests are outstanding (a
     /// lone request waits for nothing); with more in flight it is posted
