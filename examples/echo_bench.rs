@@ -27,6 +27,10 @@
 //! arrived; the suite prints 64 B messages (`send()` each and `Sink`
 //! batches of 32) against `ib_send_bw -s 64`'s message rate and 1 MiB
 //! messages against `ib_write_bw -s 1048576`, on both runtimes.
+//! `--spawn` runs a stream client's loop in a spawned task (as a
+//! service's request handler would) instead of on `block_on`'s thread;
+//! the suite prints the 64 B round trip on the multi-thread runtime both
+//! ways, for RDMA and for TCP.
 //!
 //! Addresses go through the transport switch, so `tcp://` runs the same
 //! workload over the kernel's TCP. `--message` (server and client) runs it
@@ -268,6 +272,14 @@ enum Cmd {
         /// requests.
         #[arg(long)]
         stats: bool,
+        /// Streams (and TCP): run the client's loop in a task it spawns,
+        /// as a service's request handler would, instead of on the thread
+        /// that calls `Runtime::block_on` (`#[tokio::main]`'s `main`). On
+        /// the multi-thread runtime the I/O events are read by a worker,
+        /// which then wakes `block_on`'s thread with a futex call; a
+        /// spawned task is run by the worker that read its event.
+        #[arg(long)]
+        spawn: bool,
     },
     /// Every case, each in a fresh server process, plus perftest.
     Suite {
@@ -761,6 +773,7 @@ fn main() -> std::process::ExitCode {
             one_way,
             batch,
             stats,
+            spawn,
         } => {
             let cfg = config(wait, ring_size, max_ring_size, share_cq);
             let rt = runtime(flavor);
@@ -772,6 +785,14 @@ fn main() -> std::process::ExitCode {
                 rt.block_on(closed_loop_messages(
                     addr, cfg, size, in_flight, requests, warmup,
                 ))
+            } else if spawn {
+                rt.block_on(async move {
+                    tokio::spawn(closed_loop(
+                        addr, cfg, size, in_flight, one_way, requests, warmup, stats,
+                    ))
+                    .await
+                    .map_err(std::io::Error::other)?
+                })
             } else {
                 rt.block_on(closed_loop(
                     addr, cfg, size, in_flight, one_way, requests, warmup, stats,
@@ -836,6 +857,8 @@ struct Case {
     one_way: bool,
     /// The client's `--batch` (message one-way cases).
     batch: u64,
+    /// The client's `--spawn` (its loop in a spawned task).
+    spawn: bool,
 }
 
 impl Case {
@@ -861,6 +884,7 @@ impl Case {
             message: false,
             one_way: false,
             batch: 1,
+            spawn: false,
         }
     }
 }
@@ -1059,6 +1083,7 @@ async fn run_client(
             &c.batch.to_string(),
         ])
         .args(kind_args(c, false))
+        .args(c.spawn.then_some("--spawn"))
         .output()
         .await
         .ok()?;
@@ -1239,6 +1264,19 @@ async fn suite(
             Multi,
             "park",
         ),
+        // The client's loop in a spawned task, as in a service's handler,
+        // instead of on `block_on`'s thread (`--spawn`).
+        Case {
+            spawn: true,
+            ..case(
+                "RdmaStream, multi-thread (2), spawned client",
+                "rdma",
+                64,
+                1,
+                Multi,
+                "adaptive",
+            )
+        },
         case(
             "RdmaStream, current_thread, busy_poll 200 us",
             "rdma",
@@ -1262,6 +1300,17 @@ async fn suite(
         // tokio's own cross-thread wake-ups on this runtime: the reference
         // for the multi-thread RDMA rows (latency and syscalls).
         case("TCP, multi-thread (2)", "tcp", 64, 1, Multi, "adaptive"),
+        Case {
+            spawn: true,
+            ..case(
+                "TCP, multi-thread (2), spawned client",
+                "tcp",
+                64,
+                1,
+                Multi,
+                "adaptive",
+            )
+        },
     ];
     let mut bulk = vec![
         case(
