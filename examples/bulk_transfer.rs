@@ -11,8 +11,9 @@
 //! straight into pool buffers, no copy) or a file's bytes (read straight
 //! into pool buffers), as messages of `--message-size` bytes (the last one
 //! shorter), with up to `--window` messages (and 4 MiB, the default
-//! `send_queue_bytes`) queued behind the peer's credit; then it flushes (every message taken by the peer) and closes. The server
-//! accepts one connection, receives until the client closes and prints the
+//! `send_queue_bytes`) queued behind the peer's credit; then it flushes
+//! (every message taken by the peer) and closes. The server accepts one
+//! connection, receives until the client closes and prints the
 //! message count, byte count and CRC-32 of everything received, in order.
 //! Compare the two CRC lines; `loopback` does it itself and exits with
 //! status 1 on a mismatch. `--no-check` sends the pool buffers as allocated

@@ -785,18 +785,15 @@ fn main() -> std::process::ExitCode {
                 rt.block_on(closed_loop_messages(
                     addr, cfg, size, in_flight, requests, warmup,
                 ))
-            } else if spawn {
-                rt.block_on(async move {
-                    tokio::spawn(closed_loop(
-                        addr, cfg, size, in_flight, one_way, requests, warmup, stats,
-                    ))
-                    .await
-                    .map_err(std::io::Error::other)?
-                })
             } else {
-                rt.block_on(closed_loop(
-                    addr, cfg, size, in_flight, one_way, requests, warmup, stats,
-                ))
+                let run = closed_loop(addr, cfg, size, in_flight, one_way, requests, warmup, stats);
+                if spawn {
+                    rt.block_on(
+                        async move { tokio::spawn(run).await.map_err(std::io::Error::other)? },
+                    )
+                } else {
+                    rt.block_on(run)
+                }
             };
             match run {
                 Ok(r) => {

@@ -1205,6 +1205,15 @@ impl MessageCore {
         self.queue.len()
     }
 
+    /// Takes the next queued message off the queue, keeping
+    /// `queued_bytes` in step (the one place besides `send` and
+    /// `reclaim_all` that changes the queue).
+    fn dequeue(&mut self) -> Option<OutboundMessage> {
+        let m = self.queue.pop_front()?;
+        self.queued_bytes -= m.len;
+        Some(m)
+    }
+
     /// Bytes of the messages queued and not yet posted (a rendezvous
     /// counts its whole length until its RTS is posted).
     pub fn queued_bytes(&self) -> u64 {
@@ -1231,10 +1240,7 @@ impl MessageCore {
     /// [`poll_transmit`](MessageCore::poll_transmit) returns next, if its
     /// next WR is a READ.
     pub fn next_read_destination(&self) -> Option<u64> {
-        if self.outstanding.len() >= usize::from(self.p.send_queue_depth) {
-            return None;
-        }
-        match self.next_action_any_slot() {
+        match self.next_action() {
             Some(Action::Read) => self.read_target().and_then(|i| self.reading[i].dest),
             _ => None,
         }
@@ -1590,8 +1596,7 @@ impl MessageCore {
                 (kind, WrKind::Read { seq: r.seq, len })
             }
             Action::Eager => {
-                let m = self.queue.pop_front()?;
-                self.queued_bytes -= m.len;
+                let m = self.dequeue()?;
                 // len <= eager_max <= 2^30.
                 let len = m.len as u32;
                 let inline = len <= self.p.inline_threshold;
@@ -1617,8 +1622,7 @@ impl MessageCore {
                 (kind, WrKind::Eager { token: m.token })
             }
             Action::Rts => {
-                let m = self.queue.pop_front()?;
-                self.queued_bytes -= m.len;
+                let m = self.dequeue()?;
                 let seq = self.next_rts_seq;
                 self.next_rts_seq = (seq + 1) & MAX_IMM_VALUE;
                 self.rts_outstanding.push_back((seq, m.token));
