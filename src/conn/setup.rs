@@ -134,6 +134,10 @@ pub(crate) async fn connect<S: Setup>(addr: SocketAddr, setup: &S) -> Result<S::
     .await
 }
 
+/// The resolution of tokio's timer: a sleep ends at the first millisecond
+/// tick at or after its deadline.
+const TIMER_TICK: Duration = Duration::from_millis(1);
+
 /// Runs `attempt` until it ends with anything but a busy reject or
 /// `deadline` passes (the loop behind [`connect`]; each attempt gets a fresh
 /// [`Progress`] that names the step its timeout reports).
@@ -166,7 +170,11 @@ where
             }
             Ok(Err(e)) if is_busy_reject(&e) || (stage.replied() && listener_gave_up(&e)) => {
                 let wait = jittered(backoff);
-                if tokio::time::Instant::now() + wait >= deadline {
+                // tokio's timer rounds a sleep up to its next millisecond
+                // tick, so a sleep meant to end less than a tick before the
+                // deadline can end after it: no time is left for a retry
+                // then either.
+                if tokio::time::Instant::now() + wait + TIMER_TICK >= deadline {
                     // Full for the whole connect timeout: refuse.
                     return Err(e);
                 }
