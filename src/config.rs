@@ -15,7 +15,10 @@ use crate::verbs::rc::RcSizes;
 /// while it is idle, plus `send_buffer_size` (default 64 KiB) while it has
 /// data to send: the send buffer is taken from the device's cache when a
 /// write arrives and given back once every byte of it completed (README,
-/// design notes: thousands of connections).
+/// design notes: thousands of connections). Under bulk both grow, the
+/// receive ring to at most `max_ring_size` (default 256 KiB) and the send
+/// buffer to the peer's ring, at most `max(send_buffer_size,
+/// max_ring_size)`.
 ///
 /// [`RdmaStream::connect_with`]: crate::RdmaStream::connect_with
 /// [`RdmaListener::bind_with`]: crate::RdmaListener::bind_with
@@ -337,6 +340,11 @@ impl RdmaConfig {
     /// connection's QP, or its own PD) and the previous ring is freed once
     /// read out. A grown ring does not shrink back while the connection
     /// lives.
+    ///
+    /// It also bounds the send buffer: once the peer's ring is larger than
+    /// `send_buffer_size`, the send buffer grows to the peer's ring length,
+    /// at most `max(send_buffer_size, max_ring_size)`, the next time it is
+    /// empty (see [`send_buffer_size`](RdmaConfig::send_buffer_size)).
     pub fn max_ring_size(mut self, bytes: u32) -> Self {
         self.max_ring_size = bytes;
         self
@@ -347,6 +355,17 @@ impl RdmaConfig {
     /// `poll_write` accepts ahead of the peer's credit, like `SO_SNDBUF`.
     /// Held only while there is unsent or unacknowledged data (from a
     /// per-device cache of idle buffers, at most 4 MiB).
+    ///
+    /// This is the starting size: after the peer's receive ring grew under
+    /// bulk, the send buffer grows to the peer's ring (up to
+    /// `max(send_buffer_size, max_ring_size)`) the next time every byte
+    /// in it completed, so as many bytes can be in flight as byte credit
+    /// allows (like TCP's send-buffer autotuning, `tcp_wmem`; a smaller
+    /// buffer keeps one 64 KiB WR in flight against a 256 KiB ring:
+    /// benches/README.md, "A send buffer that follows the peer's ring").
+    /// [`ConnectionStats::send_buffer_size`](crate::ConnectionStats::send_buffer_size)
+    /// reports the size in use. If the larger buffer cannot be
+    /// registered, the buffer stays as it is.
     pub fn send_buffer_size(mut self, bytes: u32) -> Self {
         self.send_buffer_size = bytes;
         self

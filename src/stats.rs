@@ -62,6 +62,11 @@ pub struct ConnectionStats {
     pub ring_size: u32,
     /// Times the receive ring grew.
     pub rings_grown: u64,
+    /// Length of the send buffer writes are copied into, bytes: the
+    /// configured `send_buffer_size`, or the peer's ring once that grew
+    /// larger, up to `RdmaConfig::max_ring_size` (the buffer is held only
+    /// while there is data to send).
+    pub send_buffer_size: u32,
     /// Reads that found nothing and were answered while spinning on the
     /// completion queue (see `RdmaConfig::wait_strategy`).
     pub spin_hits: u64,

@@ -1366,8 +1366,10 @@ async fn read_pattern(s: &mut RdmaStream, seed: u64) -> io::Result<u64> {
 /// 64 KiB ring with every WR, so the fill cycles are certain), every byte
 /// arriving once and in order across the switch; the ring it left is
 /// freed (the reader holds exactly the 128 KiB ring), and the writer's own
-/// ring, which received nothing, stays at 64 KiB. With `max_ring_size` at
-/// `ring_size` the ring never grows.
+/// ring, which received nothing, stays at 64 KiB. The writer's send
+/// buffer follows the reader's ring to 128 KiB; the reader's, whose peer
+/// ring did not grow, stays at 64 KiB. With `max_ring_size` at
+/// `ring_size` neither grows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bulk_stream_grows_its_ring_and_frees_the_one_it_left() {
     const LEN: u64 = 8 << 20;
@@ -1389,8 +1391,10 @@ async fn a_bulk_stream_grows_its_ring_and_frees_the_one_it_left() {
             u64::from(ring),
             "only the current ring"
         );
+        assert_eq!(st.send_buffer_size, 64 * 1024, "max {max:?}");
         let ct = c.stats();
         assert_eq!((ct.rings_grown, ct.ring_size), (0, 64 * 1024));
+        assert_eq!(ct.send_buffer_size, ring, "max {max:?}");
         assert_eq!(ct.bytes_sent, LEN);
     }
 }

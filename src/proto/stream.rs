@@ -970,6 +970,27 @@ impl StreamCore {
         (self.sb_unposted + self.sb_inflight) as usize
     }
 
+    /// Changes the send buffer's length to `len` bytes while it holds
+    /// nothing ([`send_buf_in_use`](StreamCore::send_buf_in_use) is 0), so
+    /// the runtime can swap in a buffer of another length: the next
+    /// [`accept_write`](StreamCore::accept_write) copies to offset 0 and
+    /// [`write_capacity`](StreamCore::write_capacity) is `len`. The
+    /// runtime grows the buffer to the peer's ring after the peer's ring
+    /// grew (`RdmaConfig::max_ring_size`): a send buffer smaller than the
+    /// peer's ring holds fewer bytes in flight than byte credit allows.
+    ///
+    /// Returns whether the length is `len` now; `false` (nothing changes)
+    /// while bytes are in use or when `len` is outside `1..=`[`MAX_RING_LEN`].
+    pub fn resize_send_buf(&mut self, len: u32) -> bool {
+        if self.send_buf_in_use() != 0 || len == 0 || len > MAX_RING_LEN {
+            return false;
+        }
+        self.p.send_buf_len = len;
+        self.sb_write_pos = 0;
+        self.sb_post_pos = 0;
+        true
+    }
+
     /// Whether [`shutdown`](StreamCore::shutdown) was called (the FIN is
     /// queued, posted or completed).
     pub fn shutdown_requested(&self) -> bool {

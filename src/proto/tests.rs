@@ -15,6 +15,7 @@ use std::collections::{HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 
 use super::error::{ProtocolError, WriteError};
+use super::handshake::MAX_RING_LEN;
 use super::imm::Imm;
 use super::stream::{
     CONTROL_RESERVE, RecvEvent, StreamCore, StreamParams, StreamStats, Transmit, TransmitKind,
@@ -143,6 +144,8 @@ struct Side {
     events: Vec<RecvEvent>,
     /// Whether the application reads during `drive`.
     reading: bool,
+    /// Times the send buffer was swapped for one of another length.
+    resizes: u64,
 }
 
 impl Side {
@@ -161,6 +164,7 @@ impl Side {
             log: Vec::new(),
             events: Vec::new(),
             reading: true,
+            resizes: 0,
         }
     }
 
@@ -177,6 +181,16 @@ impl Side {
             }
         }
         n
+    }
+
+    /// Swaps the send buffer for one of `len` bytes when the core allows
+    /// it (nothing in use), as the runtime does; returns the core's answer.
+    fn resize_send_buf(&mut self, len: u32) -> bool {
+        let resized = self.core.resize_send_buf(len);
+        if resized {
+            self.send_buf = vec![0; len as usize];
+        }
+        resized
     }
 
     /// Offers a larger ring when the core wants one, as the runtime does
@@ -619,6 +633,48 @@ fn data_wr_is_split_at_peer_ring_end_and_send_buffer_end() {
             (4, 2, 0)
         ]
     );
+}
+
+/// The send buffer takes a new length only while it holds nothing (bytes
+/// buffered or posted and not completed keep their offsets), never 0 or
+/// beyond 1 GiB, and the first write after the change lands at offset 0
+/// of the new buffer with the whole new length as capacity.
+#[test]
+fn send_buffer_resized_only_while_empty_and_refilled_from_offset_zero() {
+    let cfg = Cfg {
+        send_buf_len: 10,
+        ring_len: 64,
+        ..Cfg::default()
+    };
+    let mut pair = Pair::symmetric(cfg);
+    assert_eq!(pair.s[A].write(6), 6);
+    assert!(!pair.s[A].resize_send_buf(32), "6 bytes buffered");
+    assert_eq!(pair.s[A].post_all(&[64]), 1);
+    assert_eq!(pair.s[A].core.send_buf_in_use(), 6);
+    assert!(
+        !pair.s[A].resize_send_buf(32),
+        "6 bytes posted, not completed"
+    );
+    assert_eq!(pair.s[A].core.params().send_buf_len, 10);
+    assert_eq!(pair.s[A].core.write_capacity(), Ok(4));
+    pair.drive();
+    assert_eq!(pair.s[A].core.send_buf_in_use(), 0);
+    assert!(!pair.s[A].resize_send_buf(0));
+    assert!(!pair.s[A].resize_send_buf(MAX_RING_LEN + 1));
+    assert_eq!(pair.s[A].core.params().send_buf_len, 10);
+    assert!(pair.s[A].resize_send_buf(32));
+    assert_eq!(pair.s[A].core.params().send_buf_len, 32);
+    assert_eq!(pair.s[A].core.write_capacity(), Ok(32));
+    assert_eq!(pair.s[A].write(40), 32);
+    pair.drive();
+    assert_eq!(pair.s[B].read, 38);
+    // (local_offset, len, remote_offset): the 32 bytes went out of the new
+    // buffer from offset 0 in one WR, not wrapped at the old length.
+    assert_eq!(pair.data_wrs(A), vec![(0, 6, 0), (0, 32, 6)]);
+    pair.s[A].core.shutdown();
+    pair.s[B].core.shutdown();
+    pair.drive();
+    pair.assert_done();
 }
 
 // ----- credits -----------------------------------------------------------------
@@ -1757,6 +1813,14 @@ fn random_schedule(seed: u64) -> Pair {
         match rng.next() % 10 {
             0 | 1 => {
                 let left = total[side] - pair.s[side].written;
+                // An empty send buffer is sometimes swapped for one of
+                // another length, as the runtime does when the peer's ring
+                // grew (shorter ones too: the core takes any length).
+                if pair.s[side].core.send_buf_in_use() == 0 && rng.chance(20) {
+                    let len = rng.range(1, 5000) as u32;
+                    assert!(pair.s[side].resize_send_buf(len), "seed {seed}");
+                    pair.s[side].resizes += 1;
+                }
                 if left > 0 {
                     let n = rng.range(1, max_chunk[side] as u64) as usize;
                     pair.s[side].write(left.min(n));
@@ -1827,6 +1891,7 @@ fn random_schedule(seed: u64) -> Pair {
 #[test]
 fn random_schedules_deliver_every_byte_once_in_order() {
     let mut totals = StreamStats::default();
+    let mut resizes = 0;
     for seed in 1..=1000 {
         let pair = random_schedule(seed);
         for side in [A, B] {
@@ -1837,6 +1902,7 @@ fn random_schedules_deliver_every_byte_once_in_order() {
             totals.credits_sent += s.credits_sent;
             totals.rings_grown += s.rings_grown;
             totals.peer_rings_grown += s.peer_rings_grown;
+            resizes += pair.s[side].resizes;
             // Every offer the peer took was switched to, but the last one
             // when the peer's FIN went before its SWITCH.
             let taken = pair.s[1 - side].core.stats().peer_rings_grown;
@@ -1852,6 +1918,7 @@ fn random_schedules_deliver_every_byte_once_in_order() {
     assert!(totals.credit_stalls > 1000, "{totals:?}");
     assert!(totals.send_queue_stalls > 100, "{totals:?}");
     assert!(totals.rings_grown > 100, "{totals:?}");
+    assert!(resizes > 1000, "{resizes} send buffers resized");
 }
 
 #[test]

@@ -57,6 +57,11 @@ pub(crate) struct StreamState {
     /// Registering or opening a grown ring failed once: the ring stays as
     /// it is for the rest of the connection.
     growth_refused: bool,
+    /// Largest length the send buffer grows to when the peer's ring grew:
+    /// `max(send_buffer_size, max_ring_size)`.
+    send_buf_cap: u32,
+    /// A larger send buffer could not be had once: it stays as it is.
+    send_buf_growth_refused: bool,
     recv_buffer_limit: usize,
     /// The driver may move arrived bytes out of the ring into the backlog.
     /// A read that left bytes in the ring clears it: the reader is at work
@@ -136,6 +141,35 @@ impl StreamState {
                 warn!(error = %e, bytes = len, "could not register a larger receive ring; keeping the current one");
             }
         }
+    }
+
+    /// Grows the send buffer to the peer's ring (up to `send_buf_cap`)
+    /// while it holds nothing, after the peer's ring grew: a send buffer
+    /// smaller than the peer's ring keeps fewer bytes in flight than byte
+    /// credit allows (with the default 64 KiB, one 64 KiB WR at a time
+    /// against a 256 KiB ring; benches/README.md, "A send buffer that
+    /// follows the peer's ring"). Like TCP's send-buffer autotuning
+    /// (`tcp_wmem`), bounded by the local config, never by the peer. A
+    /// failure (no memory to pin) keeps the buffer as it is. Returns
+    /// whether the buffer grew.
+    fn follow_peer_ring(&mut self) -> bool {
+        let p = self.core.params();
+        let want = p.peer_ring_len.min(self.send_buf_cap);
+        if want <= p.send_buf_len
+            || self.send_buf_growth_refused
+            || self.core.send_buf_in_use() != 0
+        {
+            return false;
+        }
+        if let Err(e) = self.qp.resize_send_buf(want as usize) {
+            self.send_buf_growth_refused = true;
+            warn!(error = %e, bytes = want, "could not register a larger send buffer; keeping the current one");
+            return false;
+        }
+        let resized = self.core.resize_send_buf(want);
+        debug_assert!(resized, "send buffer resized while empty");
+        debug!(bytes = want, "send buffer grown to the peer's ring");
+        resized
     }
 
     fn post(&mut self, t: &Transmit) -> Result<()> {
@@ -620,6 +654,12 @@ impl Conn {
         if total == 0 {
             return Poll::Ready(Ok(0));
         }
+        // Nothing in use now: the whole (maybe grown) buffer is free.
+        let cap = if st.follow_peer_ring() {
+            st.core.params().send_buf_len as usize
+        } else {
+            cap
+        };
         if cap == 0 {
             st.stats.credit_stalls += 1;
             st.register_writer(cx.waker());
@@ -743,6 +783,7 @@ impl Conn {
         };
         s.registered_bytes = st.qp.registered_bytes() as u64;
         s.ring_size = st.core.params().ring_len;
+        s.send_buffer_size = st.core.params().send_buf_len;
         s.rings_grown = st.core.stats().rings_grown;
         s.spin_hits = st.spin.spin_hits;
         s.read_parks = st.spin.parks;
@@ -799,6 +840,8 @@ pub(crate) fn start(
         backlog_len: 0,
         ring_pending: VecDeque::new(),
         growth_refused: false,
+        send_buf_cap: cfg.send_buffer_size.max(cfg.max_ring_size),
+        send_buf_growth_refused: false,
         recv_buffer_limit: cfg.recv_buffer_limit,
         driver_drains: true,
         left_in_ring: false,

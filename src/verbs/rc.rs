@@ -756,6 +756,32 @@ impl RcQueuePair {
         }
     }
 
+    /// Replaces the send buffer with one of `len` bytes: from the device's
+    /// cache (or a new registration) for an on-demand buffer, which gives
+    /// the old one back to the cache; a new registration on the QP's PD
+    /// otherwise. The caller guarantees that no posted WR still reads the
+    /// current buffer (the core's `send_buf_in_use` is 0).
+    ///
+    /// # Errors
+    /// As [`RegisteredBuffer::new`] ([`Error::ResourceLimit`] at
+    /// RLIMIT_MEMLOCK): the current buffer and length stay as they were.
+    pub(crate) fn resize_send_buf(&mut self, len: usize) -> Result<()> {
+        if len == self.send_buf_len {
+            return Ok(());
+        }
+        let new = if self.send_buf_on_demand {
+            self.device.take_send_buffer(len)?
+        } else {
+            RegisteredBuffer::new(&self._pd, len, AccessFlags::LocalWrite, &self.device.limits)?
+        };
+        self.send_buf_len = len;
+        match self.send_buf.replace(new) {
+            Some(old) if self.send_buf_on_demand => self.device.return_send_buffer(old),
+            _ => {}
+        }
+        Ok(())
+    }
+
     /// Registered bytes this QP holds now: the receive ring and the send
     /// buffer while held.
     pub(crate) fn registered_bytes(&self) -> usize {
