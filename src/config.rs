@@ -341,10 +341,11 @@ impl RdmaConfig {
     /// read out. A grown ring does not shrink back while the connection
     /// lives.
     ///
-    /// It also bounds the send buffer: once the peer's ring is larger than
-    /// `send_buffer_size`, the send buffer grows to the peer's ring length,
-    /// at most `max(send_buffer_size, max_ring_size)`, the next time it is
-    /// empty (see [`send_buffer_size`](RdmaConfig::send_buffer_size)).
+    /// It also bounds the send buffer: once the peer's ring grew (under
+    /// bulk) past `send_buffer_size`, the send buffer grows to the peer's
+    /// ring length, at most `max(send_buffer_size, max_ring_size)`, the
+    /// next time it is empty (see
+    /// [`send_buffer_size`](RdmaConfig::send_buffer_size)).
     pub fn max_ring_size(mut self, bytes: u32) -> Self {
         self.max_ring_size = bytes;
         self

@@ -210,6 +210,9 @@ async fn write_blocks_instead_of_returning_zero() {
     }
     assert_eq!(accepted, 8191 + 5003);
     assert!(c.stats().credit_stalls >= 1);
+    // The peer's ring is longer than the send buffer from the handshake on,
+    // but it never grew: the send buffer stays as configured.
+    assert_eq!(c.stats().send_buffer_size, 5003);
     tx.send(()).unwrap();
     c.shutdown().await.unwrap();
     assert_eq!(server.await.unwrap(), written);

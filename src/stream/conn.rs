@@ -153,6 +153,11 @@ impl StreamState {
     /// failure (no memory to pin) keeps the buffer as it is. Returns
     /// whether the buffer grew.
     fn follow_peer_ring(&mut self) -> bool {
+        // Only a ring the peer grew under bulk: the handshake's ring, however
+        // long, leaves `send_buffer_size` as configured.
+        if self.core.peer_ring_generation() == 0 {
+            return false;
+        }
         let p = self.core.params();
         let want = p.peer_ring_len.min(self.send_buf_cap);
         if want <= p.send_buf_len
