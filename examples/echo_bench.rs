@@ -27,6 +27,8 @@
 //! arrived; the suite prints 64 B messages (`send()` each and `Sink`
 //! batches of 32) against `ib_send_bw -s 64`'s message rate and 1 MiB
 //! messages against `ib_write_bw -s 1048576`, on both runtimes.
+//! `suite --rounds N` runs those one-way tables N times, perftest in each
+//! round, and prints medians, each ratio with its range over the rounds.
 //! `--spawn` runs a stream client's loop in a spawned task (as a
 //! service's request handler would) instead of on `block_on`'s thread;
 //! the suite prints the 64 B round trip on the multi-thread runtime both
@@ -313,6 +315,14 @@ enum Cmd {
         /// A heading for the tables (for example the wire's condition).
         #[arg(long, default_value = "")]
         label: String,
+        /// Rounds of the one-way sections (stream bulk and messages): each
+        /// round runs the perftest reference again and then every row,
+        /// and each row prints the median of its rounds and its ratio as
+        /// the median of the per-round ratios with their range. One run of
+        /// either side moves by up to 1.7x between runs in the guest
+        /// (benches/README.md), more than the targets' margins.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
+        rounds: u32,
     },
 }
 
@@ -824,12 +834,20 @@ fn main() -> std::process::ExitCode {
             strace,
             server_ip,
             label,
+            rounds,
         } => {
             let counter = syscalls.or(strace.then_some(SyscallCounter::Strace));
             let rt = runtime(Flavor::Multi);
-            rt.block_on(suite(
-                ip, device, gid_index, requests, counter, server_ip, &label,
-            ));
+            rt.block_on(suite(SuiteArgs {
+                ip,
+                device,
+                gid_index,
+                requests,
+                counter,
+                server_ip,
+                label,
+                rounds,
+            }));
         }
     }
     std::process::ExitCode::SUCCESS
@@ -1195,15 +1213,29 @@ async fn run_case(
     })
 }
 
-async fn suite(
+/// What `suite` runs: the `Suite` command's arguments.
+struct SuiteArgs {
     ip: IpAddr,
     device: String,
     gid_index: u32,
     requests: u64,
     counter: Option<SyscallCounter>,
     server_ip: Option<IpAddr>,
-    label: &str,
-) {
+    label: String,
+    rounds: u32,
+}
+
+async fn suite(args: SuiteArgs) {
+    let SuiteArgs {
+        ip,
+        device,
+        gid_index,
+        requests,
+        counter,
+        server_ip,
+        label,
+        rounds,
+    } = args;
     let run = |c: Case, n: u64| async move {
         match server_ip {
             Some(peer) => run_remote_case(peer, &c, n).await,
@@ -1529,47 +1561,67 @@ async fn suite(
                 ..one_way("TCP one way, current_thread", Current, 65536)
             },
         ];
-        let mut bw = common.clone();
-        bw.extend(["-s".into(), "65536".into(), "-D".into(), "4".into()]);
-        let ib_bw = perf("ib_write_bw", bw, 18522)
-            .await
-            .and_then(|o| perftest::bw_mb_per_s(&o));
+        let mut ib = Rounds::default();
+        let mut figures = vec![OneWay::default(); rows.len()];
+        for _ in 0..rounds {
+            let mut bw = common.clone();
+            bw.extend(["-s".into(), "65536".into(), "-D".into(), "4".into()]);
+            let ib_bw = perf("ib_write_bw", bw, 18522)
+                .await
+                .and_then(|o| perftest::bw_mb_per_s(&o));
+            ib.push_opt(ib_bw);
+            for (c, f) in rows.iter().zip(&mut figures) {
+                let Some(o) = run(c.clone(), bulk_requests(requests, c.size)).await else {
+                    f.failed += 1;
+                    continue;
+                };
+                let mbs = o.rps * c.size as f64 / 1e6;
+                f.rate.push(mbs);
+                // Both processes' CPU per write, per 10^6 bytes.
+                f.cpu.push(o.cpu_per_rt_us * 1e6 / c.size as f64);
+                f.p50.push(o.p50);
+                f.p99.push(o.p99);
+                if c.scheme != "tcp" {
+                    f.ratio.push_opt(ib_bw.map(|b| mbs / b));
+                }
+            }
+        }
         println!();
         println!(
-            "one way, 64 KiB writes (two processes)                MB/s  CPU us/MB  write p50 us  write p99 us  vs ib_write_bw"
+            "one way, 64 KiB writes (two processes){}                MB/s  CPU us/MB  write p50 us  write p99 us  vs ib_write_bw",
+            rounds_note(rounds)
         );
-        match ib_bw {
+        match ib.median() {
             Some(b) => println!(
-                "  {:<48} {b:>9.2}          -             -             -  1.00",
-                "ib_write_bw -s 65536 (raw verbs)"
+                "  {:<48} {b:>9.2}          -             -             -  1.00{}",
+                "ib_write_bw -s 65536 (raw verbs)",
+                ib.range()
             ),
             None => println!("  ib_write_bw -s 65536   n/a (perftest failed)"),
         }
-        for c in &rows {
-            match run(c.clone(), bulk_requests(requests, c.size)).await {
-                Some(o) => {
-                    let mbs = o.rps * c.size as f64 / 1e6;
-                    println!(
-                        "  {:<48} {mbs:>9.2} {:>10.1} {:>13.1} {:>13.1}  {}",
-                        c.name,
-                        // Both processes' CPU per write, per 10^6 bytes.
-                        o.cpu_per_rt_us * 1e6 / c.size as f64,
-                        o.p50,
-                        o.p99,
-                        if c.scheme == "tcp" {
-                            "-".into()
-                        } else {
-                            ratio(mbs, ib_bw)
-                        }
-                    );
-                }
-                None => println!("  {:<48} failed", c.name),
-            }
+        for (c, f) in rows.iter().zip(&figures) {
+            let Some(mbs) = f.rate.median() else {
+                println!("  {:<48} failed", c.name);
+                continue;
+            };
+            println!(
+                "  {:<48} {mbs:>9.2} {:>10.1} {:>13.1} {:>13.1}  {}{}",
+                c.name,
+                f.cpu.median().unwrap_or(f64::NAN),
+                f.p50.median().unwrap_or(f64::NAN),
+                f.p99.median().unwrap_or(f64::NAN),
+                if c.scheme == "tcp" {
+                    "-".into()
+                } else {
+                    f.ratio.ratio()
+                },
+                f.failures()
+            );
         }
     }
 
     if server_ip.is_none() {
-        message_one_way(&common, requests, &perf, &run).await;
+        message_one_way(&common, requests, rounds, &perf, &run).await;
     }
 
     if let (Some(counter), None) = (counter, server_ip) {
@@ -1596,8 +1648,13 @@ async fn suite(
 /// `send()` each and through the `Sink` in batches of 32 (4 x `requests`
 /// messages) against `ib_send_bw -s 64`'s message rate; 1 MiB
 /// (rendezvous) against `ib_write_bw -s 1048576 -n 200`.
-async fn message_one_way<P, PF, R, RF>(common: &[String], requests: u64, perf: &P, run: &R)
-where
+async fn message_one_way<P, PF, R, RF>(
+    common: &[String],
+    requests: u64,
+    rounds: u32,
+    perf: &P,
+    run: &R,
+) where
     P: Fn(&'static str, Vec<String>, u16) -> PF,
     PF: std::future::Future<Output = Option<String>>,
     R: Fn(Case, u64) -> RF,
@@ -1648,68 +1705,203 @@ where
             Multi,
         ),
     ];
-    let mut small = common.to_vec();
-    small.extend(["-s".into(), "64".into(), "-n".into(), "100000".into()]);
-    let ib_rate = perf("ib_send_bw", small, 18524)
-        .await
-        .and_then(|o| perftest::msg_rate(&o));
-    let mut large = common.to_vec();
-    large.extend(["-s".into(), "1048576".into(), "-n".into(), "200".into()]);
-    let ib_bw = perf("ib_write_bw", large, 18525)
-        .await
-        .and_then(|o| perftest::bw_mb_per_s(&o));
+    let (mut ib_rates, mut ib_bws) = (Rounds::default(), Rounds::default());
+    let mut figures = vec![OneWay::default(); rows.len()];
+    for _ in 0..rounds {
+        let mut small = common.to_vec();
+        small.extend(["-s".into(), "64".into(), "-n".into(), "100000".into()]);
+        let ib_rate = perf("ib_send_bw", small, 18524)
+            .await
+            .and_then(|o| perftest::msg_rate(&o));
+        let mut large = common.to_vec();
+        large.extend(["-s".into(), "1048576".into(), "-n".into(), "200".into()]);
+        let ib_bw = perf("ib_write_bw", large, 18525)
+            .await
+            .and_then(|o| perftest::bw_mb_per_s(&o));
+        ib_rates.push_opt(ib_rate);
+        ib_bws.push_opt(ib_bw);
+        for (c, f) in rows.iter().zip(&mut figures) {
+            let n = if c.size <= 64 {
+                requests * 4
+            } else {
+                bulk_requests(requests, c.size)
+            };
+            let Some(o) = run(c.clone(), n).await else {
+                f.failed += 1;
+                continue;
+            };
+            let rate = o.server_rate.unwrap_or(f64::NAN);
+            let mbs = rate * c.size as f64 / 1e6;
+            f.rate.push(rate);
+            f.cpu.push(o.cpu_per_rt_us);
+            f.p50.push(o.p50 / c.batch as f64);
+            f.p99.push(o.p99 / c.batch as f64);
+            f.ratio.push_opt(if c.size <= 64 {
+                ib_rate.map(|r| rate / r)
+            } else {
+                ib_bw.map(|b| mbs / b)
+            });
+        }
+    }
     println!();
     println!(
-        "messages one way (two processes)                             msgs/s      MB/s  CPU us/msg  send p50 us  send p99 us  vs perftest"
+        "messages one way (two processes){}                             msgs/s      MB/s  CPU us/msg  send p50 us  send p99 us  vs perftest",
+        rounds_note(rounds)
     );
-    match ib_rate {
+    match ib_rates.median() {
         Some(r) => println!(
-            "  {:<60} {r:>9.0} {:>9.2}           -            -            -  1.00",
+            "  {:<60} {r:>9.0} {:>9.2}           -            -            -  1.00{}",
             "ib_send_bw -s 64 (raw verbs, MsgRate)",
-            r * 64.0 / 1e6
+            r * 64.0 / 1e6,
+            ib_rates.range()
         ),
         None => println!("  ib_send_bw -s 64   n/a (perftest failed)"),
     }
-    match ib_bw {
+    match ib_bws.median() {
         Some(b) => println!(
-            "  {:<60} {:>9.1} {b:>9.2}           -            -            -  1.00",
+            "  {:<60} {:>9.1} {b:>9.2}           -            -            -  1.00{}",
             "ib_write_bw -s 1048576 (raw verbs)",
-            b * 1e6 / (1 << 20) as f64
+            b * 1e6 / (1 << 20) as f64,
+            ib_bws.range()
         ),
         None => println!("  ib_write_bw -s 1048576   n/a (perftest failed)"),
     }
-    for c in rows {
-        let n = if c.size <= 64 {
-            requests * 4
-        } else {
-            bulk_requests(requests, c.size)
+    for (c, f) in rows.iter().zip(&figures) {
+        let Some(rate) = f.rate.median() else {
+            println!("  {:<60} failed", c.name);
+            continue;
         };
-        let (name, size, batch) = (c.name, c.size, c.batch);
-        match run(c, n).await {
-            Some(o) => {
-                let rate = o.server_rate.unwrap_or(f64::NAN);
-                let mbs = rate * size as f64 / 1e6;
-                println!(
-                    "  {:<60} {rate:>9.0} {mbs:>9.2} {:>11.1} {:>12.1} {:>12.1}  {}",
-                    name,
-                    o.cpu_per_rt_us,
-                    o.p50 / batch as f64,
-                    o.p99 / batch as f64,
-                    if size <= 64 {
-                        ratio(rate, ib_rate)
-                    } else {
-                        ratio(mbs, ib_bw)
-                    }
-                );
-            }
-            None => println!("  {name:<60} failed"),
+        println!(
+            "  {:<60} {rate:>9.0} {:>9.2} {:>11.1} {:>12.1} {:>12.1}  {}{}",
+            c.name,
+            rate * c.size as f64 / 1e6,
+            f.cpu.median().unwrap_or(f64::NAN),
+            f.p50.median().unwrap_or(f64::NAN),
+            f.p99.median().unwrap_or(f64::NAN),
+            f.ratio.ratio(),
+            f.failures()
+        );
+    }
+}
+
+/// One figure over the suite's `--rounds`: the value of each round that
+/// produced one, printed as their median and, over two rounds or more,
+/// their range.
+#[derive(Debug, Default, Clone)]
+struct Rounds(Vec<f64>);
+
+impl Rounds {
+    /// Records a round's value (a NaN, from a run that reported none, is
+    /// left out).
+    fn push(&mut self, v: f64) {
+        if !v.is_nan() {
+            self.0.push(v);
         }
+    }
+
+    fn push_opt(&mut self, v: Option<f64>) {
+        if let Some(v) = v {
+            self.push(v);
+        }
+    }
+
+    fn sorted(&self) -> Vec<f64> {
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+
+    /// The median (of an even count, the mean of the middle two); `None`
+    /// without values.
+    fn median(&self) -> Option<f64> {
+        let v = self.sorted();
+        let n = v.len();
+        match n {
+            0 => None,
+            _ if n % 2 == 1 => Some(v[n / 2]),
+            _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+        }
+    }
+
+    /// `" (min-max)"` to two places over two values or more, else empty.
+    fn range(&self) -> String {
+        let v = self.sorted();
+        match (v.first(), v.last()) {
+            (Some(lo), Some(hi)) if v.len() > 1 => format!(" ({lo:.2}-{hi:.2})"),
+            _ => String::new(),
+        }
+    }
+
+    /// A ratio's median to two places with its range, or `n/a`.
+    fn ratio(&self) -> String {
+        match self.median() {
+            Some(m) => format!("{m:.2}{}", self.range()),
+            None => "n/a".into(),
+        }
+    }
+}
+
+/// A one-way row's figures over the rounds.
+#[derive(Debug, Default, Clone)]
+struct OneWay {
+    /// MB/s (stream) or messages/s (messages).
+    rate: Rounds,
+    /// CPU us per 10^6 bytes (stream) or per message (messages).
+    cpu: Rounds,
+    p50: Rounds,
+    p99: Rounds,
+    /// Against that round's perftest reference.
+    ratio: Rounds,
+    /// Rounds whose run failed.
+    failed: u32,
+}
+
+impl OneWay {
+    /// `", N rounds failed"` when some did, else empty.
+    fn failures(&self) -> String {
+        match self.failed {
+            0 => String::new(),
+            n => format!(", {n} rounds failed"),
+        }
+    }
+}
+
+/// The one-way tables' heading note: empty for one round.
+fn rounds_note(rounds: u32) -> String {
+    if rounds > 1 {
+        format!(", medians of {rounds} rounds")
+    } else {
+        String::new()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A median of an odd and of an even count, NaNs and missing values
+    /// left out, the range only over two values or more, `n/a` without
+    /// any.
+    #[test]
+    fn rounds_print_the_median_and_the_range() {
+        let mut r = Rounds::default();
+        assert_eq!(r.median(), None);
+        assert_eq!(r.ratio(), "n/a");
+        assert_eq!(r.range(), "");
+        r.push(1.0);
+        assert_eq!(r.ratio(), "1.00");
+        r.push(f64::NAN);
+        r.push_opt(None);
+        r.push(0.5);
+        r.push_opt(Some(2.0));
+        assert_eq!(r.median(), Some(1.0));
+        assert_eq!(r.ratio(), "1.00 (0.50-2.00)");
+        r.push(1.5);
+        assert_eq!(r.median(), Some(1.25));
+        assert_eq!(r.range(), " (0.50-2.00)");
+        assert_eq!(rounds_note(1), "");
+        assert_eq!(rounds_note(3), ", medians of 3 rounds");
+    }
 
     /// `perf stat -x,` lines: clock reads left out, names not counted one
     /// by one summed as `other`, "<not counted>" skipped.
