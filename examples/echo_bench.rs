@@ -1595,7 +1595,7 @@ async fn suite(args: SuiteArgs) {
             Some(b) => println!(
                 "  {:<48} {b:>9.2}          -             -             -  1.00{}",
                 "ib_write_bw -s 65536 (raw verbs)",
-                ib.range()
+                ib.range_of(2, " MB/s")
             ),
             None => println!("  ib_write_bw -s 65536   n/a (perftest failed)"),
         }
@@ -1753,7 +1753,7 @@ async fn message_one_way<P, PF, R, RF>(
             "  {:<60} {r:>9.0} {:>9.2}           -            -            -  1.00{}",
             "ib_send_bw -s 64 (raw verbs, MsgRate)",
             r * 64.0 / 1e6,
-            ib_rates.range()
+            ib_rates.range_of(0, " msgs/s")
         ),
         None => println!("  ib_send_bw -s 64   n/a (perftest failed)"),
     }
@@ -1762,7 +1762,7 @@ async fn message_one_way<P, PF, R, RF>(
             "  {:<60} {:>9.1} {b:>9.2}           -            -            -  1.00{}",
             "ib_write_bw -s 1048576 (raw verbs)",
             b * 1e6 / (1 << 20) as f64,
-            ib_bws.range()
+            ib_bws.range_of(2, " MB/s")
         ),
         None => println!("  ib_write_bw -s 1048576   n/a (perftest failed)"),
     }
@@ -1825,9 +1825,17 @@ impl Rounds {
 
     /// `" (min-max)"` to two places over two values or more, else empty.
     fn range(&self) -> String {
+        self.range_of(2, "")
+    }
+
+    /// `" (min-max UNIT)"` to `places` decimals over two values or more,
+    /// else empty: a reference's own spread over the rounds.
+    fn range_of(&self, places: usize, unit: &str) -> String {
         let v = self.sorted();
         match (v.first(), v.last()) {
-            (Some(lo), Some(hi)) if v.len() > 1 => format!(" ({lo:.2}-{hi:.2})"),
+            (Some(lo), Some(hi)) if v.len() > 1 => {
+                format!(" ({lo:.places$}-{hi:.places$}{unit})")
+            }
             _ => String::new(),
         }
     }
@@ -1899,6 +1907,7 @@ mod tests {
         r.push(1.5);
         assert_eq!(r.median(), Some(1.25));
         assert_eq!(r.range(), " (0.50-2.00)");
+        assert_eq!(r.range_of(0, " msgs/s"), " (0-2 msgs/s)");
         assert_eq!(rounds_note(1), "");
         assert_eq!(rounds_note(3), ", medians of 3 rounds");
     }
