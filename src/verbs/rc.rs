@@ -775,10 +775,10 @@ impl RcQueuePair {
             RegisteredBuffer::new(&self._pd, len, AccessFlags::LocalWrite, &self.device.limits)?
         };
         self.send_buf_len = len;
-        match self.send_buf.replace(new) {
-            Some(old) if self.send_buf_on_demand => self.device.return_send_buffer(old),
-            _ => {}
-        }
+        // An on-demand buffer goes back to the cache; one held for the
+        // QP's life is deregistered when replaced.
+        self.release_send_buf();
+        self.send_buf = Some(new);
         Ok(())
     }
 
