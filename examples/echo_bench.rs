@@ -284,46 +284,58 @@ enum Cmd {
         spawn: bool,
     },
     /// Every case, each in a fresh server process, plus perftest.
-    Suite {
-        /// IP of the RDMA interface (server and client run here).
-        #[arg(long, default_value = "10.11.0.1")]
-        ip: IpAddr,
-        /// RDMA device for perftest.
-        #[arg(long, default_value = "rxe0")]
-        device: String,
-        /// GID index for perftest (`-x`): the RoCE v2 GID of `ip`.
-        #[arg(long, default_value_t = 1)]
-        gid_index: u32,
-        /// Measured requests per 64 B case (bulk cases run a quarter).
-        #[arg(long, default_value_t = 20_000)]
-        requests: u64,
-        /// Also count syscalls per round trip of both processes in a
-        /// separate short run of the 64 B cases, with this counter.
-        #[arg(long, value_enum)]
-        syscalls: Option<SyscallCounter>,
-        /// Same as `--syscalls strace`.
-        #[arg(long, conflicts_with = "syscalls")]
-        strace: bool,
-        /// The servers run on this other host (two hosts on a wire):
-        /// `echo_bench server` on the ports of [`remote_port`] and perftest
-        /// servers on 18520 (ib_send_lat -s 64), 18521 (ib_write_bw -s
-        /// 8192), 18522 (-s 65536) and 18523 (-s 1048576), restarted after
-        /// each run
-        /// (`integration/bench-pair-guest`). CPU is then this side's only.
-        #[arg(long)]
-        server_ip: Option<IpAddr>,
-        /// A heading for the tables (for example the wire's condition).
-        #[arg(long, default_value = "")]
-        label: String,
-        /// Rounds of the one-way sections (stream bulk and messages): each
-        /// round runs the perftest reference again and then every row,
-        /// and each row prints the median of its rounds and its ratio as
-        /// the median of the per-round ratios with their range. One run of
-        /// either side moves by up to 1.7x between runs in the guest
-        /// (benches/README.md), more than the targets' margins.
-        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
-        rounds: u32,
-    },
+    Suite(SuiteArgs),
+}
+
+/// The `suite` command's arguments.
+#[derive(clap::Args)]
+struct SuiteArgs {
+    /// IP of the RDMA interface (server and client run here).
+    #[arg(long, default_value = "10.11.0.1")]
+    ip: IpAddr,
+    /// RDMA device for perftest.
+    #[arg(long, default_value = "rxe0")]
+    device: String,
+    /// GID index for perftest (`-x`): the RoCE v2 GID of `ip`.
+    #[arg(long, default_value_t = 1)]
+    gid_index: u32,
+    /// Measured requests per 64 B case (bulk cases run a quarter).
+    #[arg(long, default_value_t = 20_000)]
+    requests: u64,
+    /// Also count syscalls per round trip of both processes in a
+    /// separate short run of the 64 B cases, with this counter.
+    #[arg(long, value_enum)]
+    syscalls: Option<SyscallCounter>,
+    /// Same as `--syscalls strace`.
+    #[arg(long, conflicts_with = "syscalls")]
+    strace: bool,
+    /// The servers run on this other host (two hosts on a wire):
+    /// `echo_bench server` on the ports of [`remote_port`] and perftest
+    /// servers on 18520 (ib_send_lat -s 64), 18521 (ib_write_bw -s
+    /// 8192), 18522 (-s 65536) and 18523 (-s 1048576), restarted after
+    /// each run
+    /// (`integration/bench-pair-guest`). CPU is then this side's only.
+    #[arg(long)]
+    server_ip: Option<IpAddr>,
+    /// A heading for the tables (for example the wire's condition).
+    #[arg(long, default_value = "")]
+    label: String,
+    /// Rounds of the one-way sections (stream bulk and messages): each
+    /// round runs the perftest reference again and then every row,
+    /// and each row prints the median of its rounds and its ratio as
+    /// the median of the per-round ratios with their range. One run of
+    /// either side moves by up to 1.7x between runs in the guest
+    /// (benches/README.md), more than the targets' margins.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
+    rounds: u32,
+}
+
+impl SuiteArgs {
+    /// The syscall counter asked for (`--syscalls`, or `--strace`).
+    fn counter(&self) -> Option<SyscallCounter> {
+        self.syscalls
+            .or(self.strace.then_some(SyscallCounter::Strace))
+    }
 }
 
 fn runtime(flavor: Flavor) -> tokio::runtime::Runtime {
@@ -825,29 +837,9 @@ fn main() -> std::process::ExitCode {
                 }
             }
         }
-        Cmd::Suite {
-            ip,
-            device,
-            gid_index,
-            requests,
-            syscalls,
-            strace,
-            server_ip,
-            label,
-            rounds,
-        } => {
-            let counter = syscalls.or(strace.then_some(SyscallCounter::Strace));
+        Cmd::Suite(args) => {
             let rt = runtime(Flavor::Multi);
-            rt.block_on(suite(SuiteArgs {
-                ip,
-                device,
-                gid_index,
-                requests,
-                counter,
-                server_ip,
-                label,
-                rounds,
-            }));
+            rt.block_on(suite(args));
         }
     }
     std::process::ExitCode::SUCCESS
@@ -1213,28 +1205,17 @@ async fn run_case(
     })
 }
 
-/// What `suite` runs: the `Suite` command's arguments.
-struct SuiteArgs {
-    ip: IpAddr,
-    device: String,
-    gid_index: u32,
-    requests: u64,
-    counter: Option<SyscallCounter>,
-    server_ip: Option<IpAddr>,
-    label: String,
-    rounds: u32,
-}
-
 async fn suite(args: SuiteArgs) {
+    let counter = args.counter();
     let SuiteArgs {
         ip,
         device,
         gid_index,
         requests,
-        counter,
         server_ip,
         label,
         rounds,
+        ..
     } = args;
     let run = |c: Case, n: u64| async move {
         match server_ip {
