@@ -148,6 +148,10 @@ pub struct ResourceSnapshot {
     /// the next stream with data to send (included in `memory_regions` and
     /// `registered_bytes`; at most 4 MiB per device).
     pub idle_send_buffers: u64,
+    /// Bytes of those idle send buffers (included in `registered_bytes`):
+    /// a buffer is `send_buffer_size` long, or longer when its stream's
+    /// send buffer had grown to the peer's ring.
+    pub idle_send_buffer_bytes: u64,
     /// Event channels shared by connections (one fd each): the process's
     /// rdma_cm event channel (read by the `tokio-rdma-cm` thread, created
     /// on the first connect or accept, kept until the process exits), and

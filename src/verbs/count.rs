@@ -33,6 +33,7 @@ const KINDS: usize = 11;
 
 static LIVE: [AtomicU64; KINDS] = [const { AtomicU64::new(0) }; KINDS];
 static REGISTERED_BYTES: AtomicU64 = AtomicU64::new(0);
+static IDLE_SEND_BUFFER_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// One live object of `kind` (and, for a memory region, its bytes).
 #[derive(Debug)]
@@ -46,6 +47,18 @@ impl Counted {
     pub(crate) fn new(kind: Kind) -> Counted {
         LIVE[kind as usize].fetch_add(1, Ordering::Relaxed);
         Counted { kind, bytes: 0 }
+    }
+
+    /// Counts one idle send buffer of `bytes` bytes kept for reuse (its
+    /// memory region is counted apart).
+    pub(crate) fn idle_send_buffer(bytes: usize) -> Counted {
+        let bytes = bytes as u64;
+        IDLE_SEND_BUFFER_BYTES.fetch_add(bytes, Ordering::Relaxed);
+        LIVE[Kind::IdleSendBuffer as usize].fetch_add(1, Ordering::Relaxed);
+        Counted {
+            kind: Kind::IdleSendBuffer,
+            bytes,
+        }
     }
 
     /// Counts one memory region of `bytes` bytes.
@@ -63,7 +76,11 @@ impl Counted {
 impl Drop for Counted {
     fn drop(&mut self) {
         LIVE[self.kind as usize].fetch_sub(1, Ordering::Relaxed);
-        REGISTERED_BYTES.fetch_sub(self.bytes, Ordering::Relaxed);
+        let bytes = match self.kind {
+            Kind::IdleSendBuffer => &IDLE_SEND_BUFFER_BYTES,
+            _ => &REGISTERED_BYTES,
+        };
+        bytes.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
@@ -86,6 +103,7 @@ pub(crate) fn snapshot() -> ResourceSnapshot {
         cm_ids: live(Kind::CmId),
         cm_event_channels: live(Kind::CmEventChannel),
         idle_send_buffers: live(Kind::IdleSendBuffer),
+        idle_send_buffer_bytes: IDLE_SEND_BUFFER_BYTES.load(Ordering::Relaxed),
         shared_event_channels: live(Kind::SharedChannel),
         shared_completion_queues: live(Kind::SharedCompletionQueue),
     }
@@ -114,7 +132,15 @@ mod tests {
         assert_eq!(now.registered_bytes, before.registered_bytes + 69632);
         drop(mr);
         assert_eq!(snapshot().registered_bytes, before.registered_bytes + 4096);
-        drop((qp, mr2));
+        let idle = Counted::idle_send_buffer(131072);
+        let now = snapshot();
+        assert_eq!(now.idle_send_buffers, before.idle_send_buffers + 1);
+        assert_eq!(
+            now.idle_send_buffer_bytes,
+            before.idle_send_buffer_bytes + 131072
+        );
+        assert_eq!(now.registered_bytes, before.registered_bytes + 4096);
+        drop((qp, mr2, idle));
         assert_eq!(snapshot(), before);
     }
 }

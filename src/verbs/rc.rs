@@ -92,7 +92,8 @@ impl OpenDevice {
         let mut cache = self.send_buffers.lock().unwrap_or_else(|p| p.into_inner());
         let cached: usize = cache.iter().map(|(b, _)| b.len()).sum();
         if cached + buf.len() <= SEND_BUFFER_CACHE_BYTES {
-            cache.push((buf, Counted::new(Kind::IdleSendBuffer)));
+            let counted = Counted::idle_send_buffer(buf.len());
+            cache.push((buf, counted));
         }
     }
 }

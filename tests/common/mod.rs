@@ -75,7 +75,7 @@ pub fn without_cache(
         r.completion_queues,
         r.completion_channels,
         r.memory_regions - r.idle_send_buffers,
-        r.registered_bytes - r.idle_send_buffers * 64 * 1024,
+        r.registered_bytes - r.idle_send_buffer_bytes,
         r.memory_windows,
         r.protection_domains,
         r.cm_ids,
