@@ -64,7 +64,7 @@ pub mod verbs;
 
 pub use config::{RdmaConfig, WaitStrategy};
 pub use error::Error;
-pub use message::{MessageConfig, MessageEndpoint, MessageListener, PostedSge};
+pub use message::{MessageConfig, MessageEndpoint, MessageListener};
 pub use pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes};
 pub use stats::{ConnectionStats, RemoteAccess, ResourceSnapshot};
 pub use stream::{
@@ -96,6 +96,14 @@ pub mod __testing {
         rkey: u32,
     ) -> std::io::Result<()> {
         endpoint.forge_rts(len, addr, rkey)
+    }
+
+    pub use crate::message::PostedSge;
+
+    /// The SGE of the last SEND with payload or READ `endpoint` posted
+    /// (for zero-copy checks).
+    pub fn last_posted_sge(endpoint: &crate::MessageEndpoint) -> Option<PostedSge> {
+        endpoint.last_posted_sge()
     }
 
     /// The last memory window `endpoint` bound for a rendezvous it sent:

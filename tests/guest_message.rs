@@ -202,7 +202,7 @@ async fn eager_send_posts_the_pool_buffer_itself() {
     let addr = send_pattern(&client, 7, len).await;
     let msg = server.recv().await.unwrap().unwrap();
     assert_eq!(msg[..], pattern(7, len)[..]);
-    let sge = client.last_posted_sge().expect("a SEND with an SGE");
+    let sge = tokio_rdma::__testing::last_posted_sge(&client).expect("a SEND with an SGE");
     assert_eq!(sge.addr, addr, "the SEND's SGE is the buffer: no copy");
     assert_eq!(sge.len, len as u32);
     // A rendezvous: the receiver's READ lands in the delivered buffer.
@@ -210,7 +210,7 @@ async fn eager_send_posts_the_pool_buffer_itself() {
     send_pattern(&client, 8, big).await;
     let msg = server.recv().await.unwrap().unwrap();
     assert_eq!(msg[..], pattern(8, big)[..]);
-    let read = server.last_posted_sge().expect("a READ");
+    let read = tokio_rdma::__testing::last_posted_sge(&server).expect("a READ");
     let start = msg.as_ptr() as u64;
     assert!(
         read.addr >= start && read.addr + u64::from(read.len) == start + big as u64,
@@ -1310,4 +1310,99 @@ async fn receive_buffers_grow_from_15_to_the_queue_depth_under_load() {
     assert_eq!(server.stats().recv_buffers_posted, 128);
     assert_eq!(server.stats().messages_received, COUNT);
     assert_eq!(client.stats().messages_sent, COUNT);
+}
+
+/// An abort while eager SENDs are posted: the aborted messages' buffers
+/// stay held until the NIC is done with them (their WR's completion or
+/// flush, or the QP's destruction), so the pool cannot hand one out again
+/// for other data that the NIC would then send to the aborting peer.
+///
+/// What rxe does: its requester copies a SEND's payload into the packet
+/// when it runs the WR (inside `ibv_post_send` or in its worker right
+/// after), so on rxe the peer shows no leaked bytes even without the rule.
+/// So the test checks the rule itself, exactly: the last batch is posted
+/// by the `Sink`'s flush and no completion is polled before `abort` on
+/// this current-thread runtime, so its SENDs are still in the ledger, and
+/// the pool must neither count their buffers free nor hand the last one
+/// out again. Before the ledger, `abort` freed them at once and the first
+/// allocation after it returned the last message's buffer.
+#[tokio::test]
+async fn abort_keeps_posted_send_buffers_until_the_nic_is_done() {
+    use futures::SinkExt as _;
+    const LEN: usize = 4096; // eager (eager_max 4096), above the inline threshold
+    const N: u64 = 8; // below the peer's first receive credit
+    for round in 0..10u64 {
+        let client_pool = MemoryPool::for_device("rxe0", PoolConfig::new()).unwrap();
+        let client_cfg = MessageConfig::new().pool(client_pool.clone());
+        let (mut client, server) = pair(&MessageConfig::new(), &client_cfg).await;
+        let in_use_before = client_pool.stats().bytes_in_use;
+        let mut last_addr = 0;
+        for i in 0..N {
+            let seed = round * 100 + i;
+            let mut buf = client_pool.alloc_any(LEN).await.unwrap();
+            buf.spare_mut()[..LEN].copy_from_slice(&pattern(seed, LEN));
+            buf.set_len(LEN);
+            last_addr = buf.addr();
+            client.feed(buf).await.expect("queued");
+        }
+        // Posted (one doorbell), not known complete: nothing polls the CQ
+        // before the abort on this thread.
+        futures::SinkExt::<tokio_rdma::PoolBuf>::flush(&mut client)
+            .await
+            .expect("posted");
+        client.abort();
+        let held = client.stats().buffers_held_for_nic;
+        assert!(
+            (1..=N).contains(&held),
+            "round {round}: the last batch's SENDs are held for the NIC, got {held}"
+        );
+        assert_eq!(
+            client_pool.stats().bytes_in_use,
+            in_use_before + held * LEN as u64,
+            "round {round}: held buffers are not back in the pool"
+        );
+        // Reuse at once with another pattern: the pool must not hand out
+        // the buffer the last SEND still names.
+        let mut reused = Vec::new();
+        for _ in 0..2 * N {
+            let mut b = client_pool.try_alloc_any(LEN).expect("pool memory");
+            b.spare_mut()[..LEN].fill(0xEE);
+            b.set_len(LEN);
+            assert_ne!(
+                b.addr(),
+                last_addr,
+                "round {round}: a buffer a posted SEND names was handed out again"
+            );
+            reused.push(b);
+        }
+        // The peer gets exact messages, then the abort.
+        let mut got = 0;
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), server.recv())
+                .await
+                .expect("the abort reaches the peer in time")
+            {
+                Ok(Some(msg)) => {
+                    assert_eq!(msg.len(), LEN);
+                    assert!(
+                        msg[..] == pattern(round * 100 + got, LEN)[..],
+                        "round {round}: message {got} is the sender's bytes"
+                    );
+                    got += 1;
+                }
+                Ok(None) => panic!("round {round}: an abort is not a clean close"),
+                Err(e) => {
+                    assert!(is_kind(&e, io::ErrorKind::ConnectionReset), "{e}");
+                    break;
+                }
+            }
+        }
+        assert!(got <= N);
+        drop(reused);
+        drop(client);
+        drop(server);
+        // The QP is destroyed before the ledger lets its buffers go: every
+        // buffer is back.
+        wait_in_use_zero(&client_pool).await;
+    }
 }

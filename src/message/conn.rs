@@ -17,7 +17,9 @@ use std::task::{Context, Poll};
 use tracing::{debug, trace, warn};
 
 use super::MessageConfig;
-use super::qp::{MessageQp, PostedSge};
+use super::qp::MessageQp;
+#[cfg(tokio_rdma_guest)]
+use super::qp::PostedSge;
 use super::quota::Quota;
 use crate::conn::{Driven, Established, Handle, SpinWait, Started, WakerList};
 use crate::error::{Error, Result};
@@ -979,6 +981,7 @@ impl MsgConn {
         let mut s = st.core.stats();
         s.window_binds = st.qp.window_binds();
         s.windows_held = st.qp.windows_held() as u64;
+        s.buffers_held_for_nic = st.qp.retired() as u64;
         s.quota_bytes_held = st.quota.held();
         s.quota_stalls = st.quota.stalls();
         s.spin_hits = st.spin.spin_hits;
@@ -1002,6 +1005,7 @@ impl MsgConn {
         self.lock().qp.last_window()
     }
 
+    #[cfg(tokio_rdma_guest)]
     pub(crate) fn last_sge(&self) -> Option<PostedSge> {
         self.lock().qp.last_sge()
     }

@@ -80,6 +80,8 @@ use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
 pub use crate::proto::message::MessageStats;
 use conn::MsgState;
 use qp::MessageQp;
+#[cfg(tokio_rdma_guest)]
+#[doc(hidden)]
 pub use qp::PostedSge;
 
 /// Settings of a message endpoint. `Default` gives the values documented
@@ -684,10 +686,8 @@ impl MessageEndpoint {
         self.conn.send_forged_rts(len, addr, rkey)
     }
 
-    /// The SGE of the last SEND with payload or READ this endpoint posted
-    /// (for zero-copy checks).
-    #[doc(hidden)]
-    pub fn last_posted_sge(&self) -> Option<PostedSge> {
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn last_posted_sge(&self) -> Option<PostedSge> {
         self.conn.last_sge()
     }
 }

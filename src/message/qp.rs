@@ -5,17 +5,22 @@
 //! Buffers are named by the runtime's tokens (those of
 //! `MessageCore`). The runtime can only
 //! take a buffer back once the NIC is done with it: a receive buffer after
-//! its completion, a destination once no READ into it is outstanding. So
-//! the `unsafe` of posting work requests (WRs) with scatter/gather elements
-//! (SGEs) stays here, in the one module of the message runtime that opts
-//! into `unsafe` (a scoped `allow`, each block with its `SAFETY:` comment).
-//! Field order makes the QP be destroyed before any buffer is freed.
+//! its completion, a destination once no READ into it is outstanding. What
+//! the runtime gives up while a posted WR still names it (a message the
+//! core reclaimed at an abort while its SEND is posted, a destination whose
+//! READ is in flight) goes to the send queue's [`Ledger`], which frees it at
+//! that WR's completion or flush. So the `unsafe` of posting work requests
+//! (WRs) with scatter/gather elements (SGEs) stays here, in the one module
+//! of the message runtime that opts into `unsafe` (a scoped `allow`, each
+//! block with its `SAFETY:` comment). Field order makes the QP be destroyed
+//! before any buffer is freed.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 use crate::error::{Error, Result};
 use crate::pool::{OutgoingMessage, PoolBuf};
 use crate::proto::message::{MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN, RtsHeader};
+use crate::verbs::ledger::{Ledger, PostedOp};
 use crate::verbs::mw::{MemoryWindow, WindowAccess};
 use crate::verbs::rc::{
     BindTarget, MW_WR_FLAG, RECV_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr, Sge,
@@ -26,7 +31,9 @@ use crate::verbs::rc::{
 const RTS_SLOT: usize = 32;
 
 /// The SGE of the last data WR posted (a SEND with payload or a READ), for
-/// the zero-copy checks of the test suite.
+/// the zero-copy checks of the guest test suite (recorded only in its
+/// builds).
+#[cfg(tokio_rdma_guest)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PostedSge {
@@ -44,19 +51,28 @@ pub(crate) struct MessageQp {
     // destroyed before the buffers below.
     windows: Windows,
     qp: RcQueuePair,
+    /// Posted send-queue WRs not known complete, and what the runtime gave
+    /// up while one of them still names it (after the QP: freed once it is
+    /// destroyed).
+    ledger: Ledger<u64, Held>,
     send_depth: u64,
     /// Posted receive buffers by token.
     recv: HashMap<u64, PoolBuf>,
     /// Rendezvous destinations by token.
     dests: HashMap<u64, PoolBuf>,
-    /// Destinations released while READs into them were outstanding.
-    zombies: HashMap<u64, PoolBuf>,
     /// Messages being sent, by token.
     sending: HashMap<u64, OutgoingMessage>,
-    /// Posted send-queue WRs not known complete, oldest first, with the
-    /// destination a READ writes into.
-    outstanding: VecDeque<(u64, Option<u64>)>,
+    #[cfg(tokio_rdma_guest)]
     last_sge: Option<PostedSge>,
+}
+
+/// Memory of this QP's that a posted send-queue WR may still name when the
+/// runtime gives it up: kept by the [`Ledger`] until that WR is done.
+enum Held {
+    /// A message an eager SEND reads.
+    Message(#[allow(dead_code)] OutgoingMessage),
+    /// A rendezvous destination an RDMA READ writes.
+    Dest(#[allow(dead_code)] PoolBuf),
 }
 
 fn internal(msg: String) -> Error {
@@ -107,12 +123,12 @@ impl MessageQp {
         MessageQp {
             windows: Windows::default(),
             qp,
+            ledger: Ledger::default(),
             send_depth: u64::from(send_depth.max(1)),
             recv: HashMap::new(),
             dests: HashMap::new(),
-            zombies: HashMap::new(),
             sending: HashMap::new(),
-            outstanding: VecDeque::new(),
+            #[cfg(tokio_rdma_guest)]
             last_sge: None,
         }
     }
@@ -165,25 +181,33 @@ impl MessageQp {
         self.dests.insert(token, buf);
     }
 
-    fn dest_busy(&self, token: u64) -> bool {
-        self.outstanding.iter().any(|&(_, d)| d == Some(token))
-    }
-
     /// The destination `token` with every READ into it complete; `None` if
     /// unknown or a READ into it is outstanding.
     pub(crate) fn take_dest(&mut self, token: u64) -> Option<PoolBuf> {
-        if self.dest_busy(token) {
+        if self.ledger.pinned(token) {
             return None;
         }
         self.dests.remove(&token)
     }
 
-    /// Frees destination `token` now, or once the READs into it completed.
+    /// Frees destination `token` now, or (through the ledger) once the
+    /// READs into it completed or were flushed.
     pub(crate) fn release_dest(&mut self, token: u64) {
         if let Some(buf) = self.dests.remove(&token) {
-            if self.dest_busy(token) {
-                self.zombies.insert(token, buf);
+            drop(self.ledger.release(token, Held::Dest(buf)));
+        }
+    }
+
+    /// Gives message `token` up: freed now if no posted WR names it, by
+    /// the ledger once the last such WR completed (or was flushed)
+    /// otherwise.
+    fn retire_send(&mut self, token: u64) -> bool {
+        match self.sending.remove(&token) {
+            Some(msg) => {
+                drop(self.ledger.release(token, Held::Message(msg)));
+                true
             }
+            None => false,
         }
     }
 
@@ -192,11 +216,12 @@ impl MessageQp {
         self.sending.insert(token, msg);
     }
 
-    /// The NIC and the peer are done with message `token` (or it was
-    /// aborted): drop it, at once for an eager message, once its window is
-    /// invalidated for a rendezvous (the LOCAL_INV goes out with the next
-    /// [`post`](Self::post)). Returns whether `token` was a message being
-    /// sent.
+    /// The peer is done with message `token` (or it was aborted): give it
+    /// up, for a rendezvous once its window is invalidated (the LOCAL_INV
+    /// goes out with the next [`post`](Self::post)). Its memory is freed
+    /// only once no posted WR names it any more: an eager SEND still
+    /// posted at an abort keeps it until its completion or flush
+    /// ([`Ledger`]). Returns whether `token` was a message being sent.
     pub(crate) fn release_send(&mut self, token: u64) -> bool {
         if !self.sending.contains_key(&token) {
             return false;
@@ -204,9 +229,15 @@ impl MessageQp {
         if self.windows.bound.contains_key(&token) {
             self.windows.to_invalidate.push(token);
         } else {
-            self.sending.remove(&token);
+            self.retire_send(token);
         }
         true
+    }
+
+    /// Messages and destinations given up while a posted WR still names
+    /// them (held by the ledger until its completion or flush).
+    pub(crate) fn retired(&self) -> usize {
+        self.ledger.retired()
     }
 
     /// Messages held for sending (a rendezvous until its window is
@@ -251,7 +282,7 @@ impl MessageQp {
         };
         if status == 0 {
             self.windows.free.push(window);
-            self.sending.remove(&token).is_some()
+            self.retire_send(token)
         } else {
             self.windows.bound.insert(token, window);
             false
@@ -261,30 +292,33 @@ impl MessageQp {
     /// Whether send-queue WR `wr_id` (posted, not yet known complete) is an
     /// RDMA READ.
     pub(crate) fn is_read(&self, wr_id: u64) -> bool {
-        self.outstanding
-            .iter()
-            .any(|&(id, dest)| id == wr_id && dest.is_some())
+        self.ledger.op(wr_id) == Some(PostedOp::Read)
     }
 
     /// Send-queue WR `wr_id` completed (successfully or flushed): it and
-    /// every earlier WR are done (RC ordering).
+    /// every earlier WR are done (RC ordering); the ledger frees what was
+    /// given up while they were posted.
     pub(crate) fn send_completed(&mut self, wr_id: u64) {
-        while let Some(&(id, _)) = self.outstanding.front() {
-            if id > wr_id {
-                break;
-            }
-            self.outstanding.pop_front();
-        }
-        if !self.zombies.is_empty() {
-            let busy: Vec<u64> = self.outstanding.iter().filter_map(|&(_, d)| d).collect();
-            self.zombies.retain(|t, _| busy.contains(t));
-        }
+        self.ledger.complete(wr_id);
     }
 
     /// The SGE of the last SEND with payload or READ posted.
+    #[cfg(tokio_rdma_guest)]
     pub(crate) fn last_sge(&self) -> Option<PostedSge> {
         self.last_sge
     }
+
+    #[cfg(tokio_rdma_guest)]
+    fn note_sge(&mut self, sge: Sge) {
+        self.last_sge = Some(PostedSge {
+            addr: sge.addr,
+            len: sge.len,
+            lkey: sge.lkey,
+        });
+    }
+
+    #[cfg(not(tokio_rdma_guest))]
+    fn note_sge(&mut self, _sge: Sge) {}
 
     /// Invalidates the windows of finished messages (signaled LOCAL_INVs),
     /// binds a window for each RTS in `batch` and writes its key into the
@@ -292,7 +326,7 @@ impl MessageQp {
     fn prepare_windows(&mut self, batch: &[MsgTransmit]) -> Result<Vec<[u8; RTS_HEADER_LEN]>> {
         for token in std::mem::take(&mut self.windows.to_invalidate) {
             let Some(window) = self.windows.bound.remove(&token) else {
-                self.sending.remove(&token);
+                self.retire_send(token);
                 continue;
             };
             let wr_id = self.windows.wr_id();
@@ -356,15 +390,18 @@ impl MessageQp {
     }
 
     /// Posts what the core asked for, all of it with one doorbell (after
-    /// the window binds and invalidations it needs).
+    /// the window binds and invalidations it needs), and records every WR
+    /// in the ledger with the owner of the memory its SGE names: all of
+    /// them even when the post fails part way, since the NIC may have
+    /// taken any WR before the one it refused.
     pub(crate) fn post(&mut self, batch: &[MsgTransmit]) -> Result<()> {
         let headers = self.prepare_windows(batch)?;
         let mut headers = headers.iter();
         let mut wrs = Vec::with_capacity(batch.len());
-        let mut dests = Vec::with_capacity(batch.len());
+        let mut records = Vec::with_capacity(batch.len());
+        let mut last_sge = None;
         for t in batch {
-            let mut read_dest = None;
-            let op = match &t.kind {
+            let (op, pin) = match &t.kind {
                 &MsgTransmitKind::Eager {
                     token,
                     len,
@@ -379,24 +416,21 @@ impl MessageQp {
                         .as_slice()
                         .get(..len as usize)
                         .ok_or_else(|| internal(format!("message {token} shorter than {len}")))?;
-                    let payload = if len == 0 {
-                        SendPayload::None
+                    let (payload, pin) = if len == 0 {
+                        (SendPayload::None, None)
                     } else if inline {
-                        SendPayload::Inline(data)
+                        // Copied into the WR at posting: nothing to hold.
+                        (SendPayload::Inline(data), None)
                     } else {
                         let sge = Sge {
                             addr: msg.addr(),
                             len,
                             lkey: msg.lkey(),
                         };
-                        self.last_sge = Some(PostedSge {
-                            addr: sge.addr,
-                            len,
-                            lkey: sge.lkey,
-                        });
-                        SendPayload::Sge(sge)
+                        last_sge = Some(sge);
+                        (SendPayload::Sge(sge), Some(token))
                     };
-                    SendOp::SendImm { payload, imm }
+                    ((SendOp::SendImm { payload, imm }, PostedOp::Send), pin)
                 }
                 MsgTransmitKind::Rts { imm, inline, .. } => {
                     let header = headers
@@ -411,7 +445,7 @@ impl MessageQp {
                         let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
                         let scratch = self
                             .qp
-                            .send_buf()
+                            .send_buf_mut()
                             .ok_or_else(|| internal("message QP without its RTS scratch".into()))?;
                         scratch
                             .write_at(off, header)
@@ -425,12 +459,17 @@ impl MessageQp {
                             lkey: scratch.lkey(),
                         })
                     };
-                    SendOp::SendImm { payload, imm: *imm }
+                    // The scratch is the QP's own, held for its life.
+                    let op = SendOp::SendImm { payload, imm: *imm };
+                    ((op, PostedOp::Send), None)
                 }
-                &MsgTransmitKind::Control { imm } => SendOp::SendImm {
-                    payload: SendPayload::None,
-                    imm,
-                },
+                &MsgTransmitKind::Control { imm } => {
+                    let op = SendOp::SendImm {
+                        payload: SendPayload::None,
+                        imm,
+                    };
+                    ((op, PostedOp::Send), None)
+                }
                 &MsgTransmitKind::Read {
                     local_token,
                     local_offset,
@@ -454,37 +493,41 @@ impl MessageQp {
                         len,
                         lkey: dest.lkey(),
                     };
-                    self.last_sge = Some(PostedSge {
-                        addr: local.addr,
-                        len,
-                        lkey: local.lkey,
-                    });
-                    read_dest = Some(local_token);
-                    SendOp::Read {
+                    last_sge = Some(local);
+                    let op = SendOp::Read {
                         local,
                         remote_addr,
                         rkey,
-                    }
+                    };
+                    ((op, PostedOp::Read), Some(local_token))
                 }
             };
+            let (op, posted) = op;
             wrs.push(SendWr {
                 wr_id: t.wr_id,
                 signaled: t.signaled,
                 solicited: t.solicited,
                 op,
             });
-            dests.push((t.wr_id, read_dest));
+            records.push((t.wr_id, posted, pin));
         }
         // SAFETY: every SGE names registered memory on this QP's PD that
-        // outlives its WR: a message held in `self.sending` until the core
-        // reports its send done (a SEND only reads it) and, for a
-        // rendezvous, until its window is invalidated; the QP's own RTS
-        // scratch; a destination inside its bounds (checked above), held in
-        // `self.dests`/`self.zombies` while a READ into it is outstanding
-        // (`dest_busy`, fed by `self.outstanding` below). Inline payloads
-        // are copied at posting.
-        unsafe { self.qp.post_send_batch(&wrs) }?;
-        self.outstanding.extend(dests);
-        Ok(())
+        // outlives its WR: a message or destination whose token the ledger
+        // records below as named by this WR, so that giving it up before
+        // the WR's completion or flush leaves it with the ledger (a field
+        // dropped after the QP is destroyed); the QP's own RTS scratch; a
+        // destination inside its bounds (checked above) that `take_dest`
+        // hands out only once no READ into it is outstanding. A SEND only
+        // reads its message; a READ's destination is not read by the
+        // program while pinned. Inline payloads are copied at posting.
+        let posted = unsafe { self.qp.post_send_batch(&wrs) };
+        drop(wrs);
+        for (wr_id, op, pin) in records {
+            self.ledger.record(wr_id, op, pin);
+        }
+        if let Some(sge) = last_sge {
+            self.note_sge(sge);
+        }
+        posted
     }
 }

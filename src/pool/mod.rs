@@ -7,9 +7,11 @@
 //!   copying. Memory returns to the pool when the last reference drops.
 //! - [`RegisteredRegion`] registers memory the caller already has (a
 //!   `Vec<u8>`, [`bytes::Bytes`] or `&'static [u8]`) for zero-copy sends.
-//! - Registration goes through the [`Registrar`] trait: the verbs one
-//!   ([`MemoryPool::for_device`]) or [`FakeRegistrar`] for tests without a
-//!   device.
+//! - Registration goes through a crate-private `Registrar` trait: the
+//!   verbs one ([`MemoryPool::for_device`]), or a fake one for the host
+//!   tests. It is not public: the verbs layer binds memory windows on the
+//!   `ibv_mr` a registration names, which only the crate's own
+//!   registrations can vouch for.
 //!
 //! # Slabs, classes and the bound
 //!
@@ -54,7 +56,10 @@ use tokio::sync::Notify;
 pub use crate::error::PoolError;
 pub use buf::{OutgoingMessage, PoolBuf, PoolBytes};
 pub use region::RegisteredRegion;
-pub use registrar::{Access, FakeRegistrar, Registrar, Registration};
+pub use registrar::Access;
+#[cfg(test)]
+pub(crate) use registrar::FakeRegistrar;
+pub(crate) use registrar::{Registrar, Registration};
 
 use region::RegionInner;
 use registrar::VerbsRegistrar;
@@ -345,12 +350,12 @@ impl MemoryPool {
     }
 
     /// A pool registering through `registrar` (for example a
-    /// [`FakeRegistrar`] in tests without a device). Nothing is registered
+    /// `FakeRegistrar` in tests without a device). Nothing is registered
     /// until the first allocation.
     ///
     /// Errors: [`PoolError::InvalidConfig`] when `config` breaks a rule
     /// documented on [`PoolConfig`].
-    pub fn with_registrar<R: Registrar>(
+    pub(crate) fn with_registrar<R: Registrar>(
         registrar: R,
         config: PoolConfig,
     ) -> Result<MemoryPool, PoolError> {

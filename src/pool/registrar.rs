@@ -1,10 +1,17 @@
-//! Memory registration behind a trait: the verbs implementation on a
-//! device's protection domain (PD), and [`FakeRegistrar`] for host tests.
+//! Memory registration behind a crate-private trait: the verbs
+//! implementation on a device's protection domain (PD), and
+//! `FakeRegistrar` for the host tests. The traits are not public: a
+//! registration hands the verbs layer the address of an `ibv_mr` to bind
+//! memory windows on, which only the crate's own registrations can vouch
+//! for.
 
+#[cfg(test)]
 use std::fmt;
+#[cfg(test)]
 use std::io;
 use std::ptr::NonNull;
 use std::sync::Arc;
+#[cfg(test)]
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use crate::error::PoolError;
@@ -29,7 +36,7 @@ pub enum Access {
 
 /// One live registration (a memory region, MR). Dropping it deregisters
 /// the memory; the owner drops it before freeing that memory.
-pub trait Registration: Send + Sync {
+pub(crate) trait Registration: Send + Sync {
     /// The local key (lkey) that work requests on this PD use in their
     /// scatter/gather elements.
     fn lkey(&self) -> u32;
@@ -38,9 +45,9 @@ pub trait Registration: Send + Sync {
     /// reach a buffer only through a memory window bound for them.
     fn rkey(&self) -> u32;
     /// The address of the underlying `ibv_mr`, for binding memory windows
-    /// on it; 0 for registrations without one (test fakes). Not an API:
-    /// only the crate's verbs code dereferences it.
-    #[doc(hidden)]
+    /// on it; 0 for registrations without one (test fakes). Only the
+    /// crate's verbs code dereferences it, and only the crate implements
+    /// this trait.
     fn raw_mr(&self) -> usize {
         0
     }
@@ -55,8 +62,8 @@ pub trait Registration: Send + Sync {
 /// Registers memory with a protection domain. The pool and
 /// [`RegisteredRegion`](super::RegisteredRegion) call it; the real
 /// implementation is built by [`MemoryPool::for_device`](super::MemoryPool::for_device),
-/// [`FakeRegistrar`] serves host tests.
-pub trait Registrar: Send + Sync + 'static {
+/// `FakeRegistrar` serves host tests.
+pub(crate) trait Registrar: Send + Sync + 'static {
     /// Registers `len` (> 0) bytes at `ptr` with `access`, returning the
     /// registration that deregisters when dropped. Errors with
     /// [`PoolError::Registration`] when the provider refuses.
@@ -142,11 +149,13 @@ impl Registrar for VerbsRegistrar {
 ///
 /// The n-th registration (from 1) gets lkey `0x1000_0000 + n` and rkey
 /// `0x2000_0000 + n`.
+#[cfg(test)]
 #[derive(Clone, Default)]
-pub struct FakeRegistrar {
+pub(crate) struct FakeRegistrar {
     state: Arc<FakeState>,
 }
 
+#[cfg(test)]
 #[derive(Default)]
 struct FakeState {
     registrations: AtomicU64,
@@ -157,12 +166,14 @@ struct FakeState {
     fail: AtomicBool,
 }
 
+#[cfg(test)]
 struct FakeRegistration {
     key: u32,
     len: u64,
     state: Arc<FakeState>,
 }
 
+#[cfg(test)]
 impl Registration for FakeRegistration {
     fn lkey(&self) -> u32 {
         0x1000_0000 + self.key
@@ -172,6 +183,7 @@ impl Registration for FakeRegistration {
     }
 }
 
+#[cfg(test)]
 impl Drop for FakeRegistration {
     fn drop(&mut self) {
         self.state.bytes.fetch_sub(self.len, Ordering::SeqCst);
@@ -179,40 +191,42 @@ impl Drop for FakeRegistration {
     }
 }
 
+#[cfg(test)]
 impl FakeRegistrar {
     /// A registrar with all counters at zero.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Registrations made so far (successful ones).
-    pub fn registrations(&self) -> u64 {
+    pub(crate) fn registrations(&self) -> u64 {
         self.state.registrations.load(Ordering::SeqCst)
     }
 
     /// Registrations dropped (deregistered) so far.
-    pub fn deregistrations(&self) -> u64 {
+    pub(crate) fn deregistrations(&self) -> u64 {
         self.state.deregistrations.load(Ordering::SeqCst)
     }
 
     /// Bytes registered now (registered minus deregistered).
-    pub fn registered_bytes(&self) -> u64 {
+    pub(crate) fn registered_bytes(&self) -> u64 {
         self.state.bytes.load(Ordering::SeqCst)
     }
 
     /// The most bytes that were ever registered at the same time.
-    pub fn peak_registered_bytes(&self) -> u64 {
+    pub(crate) fn peak_registered_bytes(&self) -> u64 {
         self.state.peak_bytes.load(Ordering::SeqCst)
     }
 
     /// While `fail` is true, every registration fails with
     /// [`PoolError::Registration`] (`ENOMEM`), as a provider out of
     /// pinnable memory would.
-    pub fn set_fail(&self, fail: bool) {
+    pub(crate) fn set_fail(&self, fail: bool) {
         self.state.fail.store(fail, Ordering::SeqCst);
     }
 }
 
+#[cfg(test)]
 impl fmt::Debug for FakeRegistrar {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FakeRegistrar")
@@ -223,6 +237,7 @@ impl fmt::Debug for FakeRegistrar {
     }
 }
 
+#[cfg(test)]
 impl Registrar for FakeRegistrar {
     unsafe fn register(
         &self,

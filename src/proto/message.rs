@@ -851,6 +851,12 @@ pub struct MessageStats {
     /// Times the endpoint's driver task woke up (filled by the endpoint,
     /// as `ConnectionStats::driver_wakeups`).
     pub driver_wakeups: u64,
+    /// Buffers (messages being sent, rendezvous destinations) the endpoint
+    /// gave up while a posted work request still names them, so the NIC
+    /// may still read or write them: held until that WR completes or is
+    /// flushed, never freed or reused before (after an abort, for
+    /// example; filled by the endpoint).
+    pub buffers_held_for_nic: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -32,6 +32,7 @@ pub(crate) mod cm;
 pub(crate) mod count;
 pub mod device;
 pub(crate) mod events;
+pub(crate) mod ledger;
 #[allow(unsafe_code)]
 pub(crate) mod mw;
 pub(crate) mod rc;

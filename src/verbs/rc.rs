@@ -273,7 +273,11 @@ pub(crate) struct RegisteredBuffer {
 // SAFETY: the buffer is plain heap memory owned by this value; access goes
 // through bounds-checked copies.
 unsafe impl Send for RegisteredBuffer {}
-// SAFETY: shared access only copies out through raw pointers (`read_at`).
+// SAFETY: shared access (`&self`) only copies out through raw pointers
+// (`read_at`, `read_to_vec`) and reads the keys; the program's only write,
+// `write_at`, takes `&mut self`, so it never races another thread's copy.
+// What the NIC reads or writes concurrently is the protocol's to order (see
+// the SAFETY comments of those methods).
 unsafe impl Sync for RegisteredBuffer {}
 
 impl RegisteredBuffer {
@@ -341,7 +345,7 @@ impl RegisteredBuffer {
 
     /// Copies `src` into the buffer at `offset`. Panics never: out-of-range
     /// copies are a bug in the caller and return an error.
-    pub(crate) fn write_at(&self, offset: usize, src: &[u8]) -> io::Result<()> {
+    pub(crate) fn write_at(&mut self, offset: usize, src: &[u8]) -> io::Result<()> {
         if offset
             .checked_add(src.len())
             .is_none_or(|end| end > self.len())
@@ -349,8 +353,10 @@ impl RegisteredBuffer {
             return Err(io::Error::other("registered buffer write out of range"));
         }
         // SAFETY: in range (checked above); `src` cannot alias our private
-        // heap block. The protocol core guarantees the NIC is not reading
-        // this range (it is free send-buffer space).
+        // heap block, and `&mut self` excludes the program's other copies.
+        // The protocol core guarantees the NIC is not reading this range
+        // (free send-buffer space, or an RTS scratch slot no posted WR
+        // uses).
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
         };
@@ -733,16 +739,16 @@ impl RcQueuePair {
     /// # Errors
     /// [`Error::Verbs`] (`ibv_reg_mr`, errno kept: `ENOMEM` at
     /// RLIMIT_MEMLOCK) when a new buffer cannot be registered.
-    pub(crate) fn ensure_send_buf(&mut self) -> Result<&RegisteredBuffer> {
+    pub(crate) fn ensure_send_buf(&mut self) -> Result<&mut RegisteredBuffer> {
         match &mut self.send_buf {
             Some(buf) => Ok(buf),
             slot @ None => Ok(slot.insert(self.device.take_send_buffer(self.send_buf_len)?)),
         }
     }
 
-    /// The send buffer if one is held now.
-    pub(crate) fn send_buf(&self) -> Option<&RegisteredBuffer> {
-        self.send_buf.as_ref()
+    /// The send buffer if one is held now, to copy into.
+    pub(crate) fn send_buf_mut(&mut self) -> Option<&mut RegisteredBuffer> {
+        self.send_buf.as_mut()
     }
 
     /// Gives an on-demand send buffer back to the device's cache. The
