@@ -240,6 +240,24 @@ pub enum Error {
         status: u32,
     },
 
+    /// A one-sided operation on remote memory ([`crate::remote`]) failed:
+    /// `op` is `"RDMA READ"`, `"RDMA WRITE"`, `"ATOMIC compare-and-swap"`
+    /// or `"ATOMIC fetch-and-add"`, `status` the `ibv_wc_status`. The
+    /// peer's NIC refused it (REM_ACCESS_ERR 10: the key was revoked, was
+    /// granted to another connection, or does not allow this access or
+    /// range; REM_INV_REQ_ERR 9, REM_OP_ERR 11) or the connection failed
+    /// under it. A reliable-connected QP goes to the error state on any
+    /// such failure (IBTA vol. 1, 11.6.2), so the message endpoint fails
+    /// with it. Maps to [`io::ErrorKind::PermissionDenied`] for 9, 10 and
+    /// 11, to [`io::ErrorKind::ConnectionReset`] otherwise.
+    #[error("{op} on remote memory failed: ibv_wc_status {status} ({}{})", Error::wc_status_name(*status), if matches!(*status, 9..=11) { ", refused by the peer's NIC: the grant does not allow it, was revoked, or belongs to another connection" } else { "" })]
+    RemoteAccess {
+        /// The one-sided operation.
+        op: &'static str,
+        /// The `ibv_wc_status` value.
+        status: u32,
+    },
+
     /// The peer went away without closing the connection (rdma_cm
     /// `DISCONNECTED` before its FIN, or in the middle of a message): the
     /// TCP analogue is a reset. Maps to [`io::ErrorKind::ConnectionReset`].
@@ -425,6 +443,10 @@ impl Error {
             Error::Unreachable { source, .. } => match source.raw_os_error() {
                 Some(libc::ENODEV) => io::ErrorKind::NotFound,
                 _ => io::ErrorKind::HostUnreachable,
+            },
+            Error::RemoteAccess { status, .. } => match status {
+                9..=11 => io::ErrorKind::PermissionDenied,
+                _ => io::ErrorKind::ConnectionReset,
             },
             Error::WorkCompletion { status, op } => match status {
                 10 if *op == "RDMA READ" => io::ErrorKind::InvalidData,
@@ -634,6 +656,10 @@ impl Clone for Error {
             Error::Pool(e) => Error::Pool(e.clone()),
             Error::ConnectionRefused { addr } => Error::ConnectionRefused { addr: *addr },
             Error::WorkCompletion { op, status } => Error::WorkCompletion {
+                op,
+                status: *status,
+            },
+            Error::RemoteAccess { op, status } => Error::RemoteAccess {
                 op,
                 status: *status,
             },

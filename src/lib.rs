@@ -5,7 +5,9 @@
 //! `TcpStream`/`TcpListener`, so hyper, tonic, tokio-util codecs and
 //! tokio-rustls run over them unchanged; [`MessageEndpoint`]/[`MessageListener`]
 //! move messages between buffers of a shared [`MemoryPool`] of registered
-//! memory without copying; [`transport`] switches between `rdma://` and
+//! memory without copying; [`remote`] grants a peer a window on your
+//! memory and reads, writes and atomically updates what a peer granted
+//! you (one-sided RDMA); [`transport`] switches between `rdma://` and
 //! `tcp://` by address.
 //!
 //! Layers, bottom up (see the README's design notes):
@@ -55,6 +57,8 @@ pub mod message;
 #[allow(unsafe_code)]
 pub mod pool;
 pub(crate) mod proto;
+#[allow(unsafe_code)]
+pub mod remote;
 pub mod stats;
 mod stream;
 mod tasks;

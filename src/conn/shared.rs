@@ -641,6 +641,11 @@ impl<D: Driven> Handle<D> {
         Handle(Arc::clone(&self.0))
     }
 
+    /// A reference that does not keep the connection open (a grant's).
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<Shared<D>> {
+        Arc::downgrade(&self.0)
+    }
+
     /// Whether both handles are on one connection.
     pub(crate) fn same_conn(&self, other: &Handle<D>) -> bool {
         Arc::ptr_eq(&self.0, &other.0)

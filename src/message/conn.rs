@@ -28,7 +28,12 @@ use crate::proto::message::{
     ABORT_CODE_APPLICATION, Delivery, MessageCore, MessageError, MessageStats, MsgEvent,
     MsgTransmit, MsgTransmitKind, OutboundMessage, RecvDisposition, SendError, abort_code_reason,
 };
-use crate::verbs::rc::{Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RcQueuePair};
+use crate::remote::{GrantAccess, LocalRegion};
+use crate::verbs::rc::{
+    Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, REMOTE_WR_FLAG, RcQueuePair,
+};
+
+use super::qp::RemoteWr;
 
 const WC_SUCCESS: u32 = 0;
 const WC_WR_FLUSH_ERR: u32 = 5;
@@ -201,6 +206,21 @@ impl MsgState {
             "completion"
         );
         let is_recv = wc.wr_id & RECV_WR_FLAG != 0;
+        if !is_recv && wc.wr_id & (MW_WR_FLAG | REMOTE_WR_FLAG) == REMOTE_WR_FLAG {
+            // A one-sided operation, grant bind or revocation
+            // (`crate::remote`): its future gets the status.
+            let op = self.qp.remote_op_name(wc.wr_id);
+            self.qp.remote_completed(wc.wr_id, wc.status);
+            if wc.status != WC_SUCCESS && !(wc.status == WC_WR_FLUSH_ERR && self.dead()) {
+                // The QP is in the error state now (RC): the endpoint with it.
+                self.lost(Error::RemoteAccess {
+                    op,
+                    status: wc.status,
+                });
+            }
+            self.senders.wake_all();
+            return;
+        }
         if !is_recv && wc.wr_id & MW_WR_FLAG != 0 {
             // A keepalive probe, or a window bind or invalidation of the QP
             // layer.
@@ -710,6 +730,7 @@ impl Driven for MsgState {
             && !self.core.credit_low()
             && !self.qp.qp_ref().probe_outstanding()
             && !self.need_memory
+            && self.qp.remote_in_flight() == 0
     }
 
     /// Messages held until their send completes (an eager SEND's buffer,
@@ -1028,6 +1049,176 @@ impl MsgConn {
         // Its drain may have held READs back.
         self.ensure_tick(&st);
         Ok(())
+    }
+}
+
+/// Remote memory (`crate::remote`): posting one-sided operations, grant
+/// binds and revocations, and waiting for them.
+impl MsgConn {
+    /// Why no remote work can start or finish on this endpoint now.
+    fn remote_dead(st: &MsgState) -> Option<io::Error> {
+        if let Some(e) = st.error_io() {
+            return Some(e);
+        }
+        (st.peer_closed || st.closing).then(|| Error::PeerClosed.into())
+    }
+
+    /// Waits for a remote slot, then posts `wr` with `local` (in the same
+    /// lock hold); returns the wr_id to [`wait_remote`](Self::wait_remote)
+    /// on.
+    pub(crate) async fn start_remote(&self, wr: RemoteWr, local: PoolBuf) -> io::Result<u64> {
+        let mut local = Some(local);
+        std::future::poll_fn(|cx| {
+            let mut st = self.lock();
+            st.drain();
+            self.nudge_if_failed(&st);
+            if let Some(e) = Self::remote_dead(&st) {
+                return Poll::Ready(Err(e));
+            }
+            if st.qp.poll_remote_slot(cx).is_pending() {
+                st.widen_arm();
+                self.ensure_tick(&st);
+                return Poll::Pending;
+            }
+            let Some(buf) = local.take() else {
+                return Poll::Ready(Err(
+                    Error::Internal("remote operation polled again".into()).into()
+                ));
+            };
+            let id = st.qp.post_remote(wr, buf).map_err(io::Error::from)?;
+            st.widen_arm();
+            self.ensure_tick(&st);
+            Poll::Ready(Ok(id))
+        })
+        .await
+    }
+
+    /// Waits for a remote slot, then binds a grant's window over `len`
+    /// bytes at `offset` of `region`; returns the bind's wr_id (the
+    /// grant's id) and the key.
+    pub(crate) async fn start_grant(
+        &self,
+        region: &LocalRegion,
+        offset: u64,
+        len: u64,
+        access: GrantAccess,
+    ) -> io::Result<(u64, u32)> {
+        std::future::poll_fn(|cx| {
+            let mut st = self.lock();
+            st.drain();
+            self.nudge_if_failed(&st);
+            if let Some(e) = Self::remote_dead(&st) {
+                return Poll::Ready(Err(e));
+            }
+            if st.qp.poll_remote_slot(cx).is_pending() {
+                st.widen_arm();
+                self.ensure_tick(&st);
+                return Poll::Pending;
+            }
+            let r = st.qp.bind_grant(region, offset, len, access);
+            let r = r.map_err(io::Error::from)?;
+            st.widen_arm();
+            self.ensure_tick(&st);
+            Poll::Ready(Ok(r))
+        })
+        .await
+    }
+
+    /// Posts the revocation of grant `grant`; `None` when there is nothing
+    /// to wait for (its window is gone, or the endpoint failed or closed,
+    /// and its QP with it).
+    pub(crate) fn revoke_grant(&self, grant: u64, abandoned: bool) -> io::Result<Option<u64>> {
+        let mut st = self.lock();
+        if Self::remote_dead(&st).is_some() {
+            return Ok(None);
+        }
+        let id = st
+            .qp
+            .revoke_grant(grant, abandoned)
+            .map_err(io::Error::from)?;
+        st.widen_arm();
+        self.ensure_tick(&st);
+        drop(st);
+        self.nudge();
+        Ok(id)
+    }
+
+    /// Grants whose window is bound now.
+    pub(crate) fn grants_held(&self) -> usize {
+        self.lock().qp.grants_held()
+    }
+
+    /// Waits for remote WR `wr_id`: its local buffer on success. Dropping
+    /// the future hands the buffer to the ledger.
+    pub(crate) fn wait_remote(&self, wr_id: u64, op: &'static str) -> RemoteWait<'_> {
+        RemoteWait {
+            conn: self,
+            wr_id,
+            op,
+            done: false,
+        }
+    }
+}
+
+/// The future of [`MsgConn::wait_remote`].
+pub(crate) struct RemoteWait<'a> {
+    conn: &'a MsgConn,
+    wr_id: u64,
+    op: &'static str,
+    done: bool,
+}
+
+impl std::future::Future for RemoteWait<'_> {
+    type Output = io::Result<Option<PoolBuf>>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let mut st = this.conn.lock();
+        st.drain();
+        this.conn.nudge_if_failed(&st);
+        match st.qp.poll_remote(this.wr_id, cx) {
+            Poll::Ready(Some((WC_SUCCESS, local))) => {
+                this.done = true;
+                Poll::Ready(Ok(local))
+            }
+            Poll::Ready(Some((status, _))) => {
+                this.done = true;
+                // A flush reports the connection's failure, not this WR's.
+                let err = match st.error_io() {
+                    Some(e) if status == WC_WR_FLUSH_ERR => e,
+                    _ => Error::RemoteAccess {
+                        op: this.op,
+                        status,
+                    }
+                    .into(),
+                };
+                Poll::Ready(Err(err))
+            }
+            Poll::Ready(None) => {
+                this.done = true;
+                Poll::Ready(Err(st
+                    .error_io()
+                    .unwrap_or_else(|| Error::PeerDisconnected.into())))
+            }
+            Poll::Pending => {
+                if let Some(e) = MsgConn::remote_dead(&st) {
+                    st.qp.abandon_remote(this.wr_id);
+                    this.done = true;
+                    return Poll::Ready(Err(e));
+                }
+                st.widen_arm();
+                this.conn.ensure_tick(&st);
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl Drop for RemoteWait<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.conn.lock().qp.abandon_remote(self.wr_id);
+        }
     }
 }
 

@@ -74,15 +74,16 @@ use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::message::{
     MAX_MESSAGE_LEN, MessageCore, MessageError, MessageParams, RTS_HEADER_LEN, initial_recv_posted,
 };
+use crate::remote::{Grant, GrantAccess, LocalRegion, RemoteRegion};
 use crate::verbs::cm::CmId;
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
 
 pub use crate::proto::message::MessageStats;
-use conn::MsgState;
-use qp::MessageQp;
+pub(crate) use conn::MsgState;
 #[cfg(tokio_rdma_guest)]
 #[doc(hidden)]
 pub use qp::PostedSge;
+use qp::{MessageQp, REMOTE_SLOTS, RemoteWr};
 
 /// Settings of a message endpoint. `Default` gives the values documented
 /// on each setter.
@@ -364,10 +365,14 @@ impl Setup for MessageSetup {
         RcSizes {
             // Beyond the core's WRs: a window bind per rendezvous announced
             // and an invalidation per rendezvous done, neither counted by
-            // the core (unsignaled binds retire with the next signaled WR).
+            // the core (unsignaled binds retire with the next signaled WR);
+            // remote-memory operations and grant binds (REMOTE_SLOTS at
+            // once), and a revocation per grant (MAX_GRANTS).
             send_depth: u32::from(r.send_queue_depth)
                 + 2 * u32::from(self.0.max_rendezvous_in_flight)
-                + 4,
+                + 4
+                + u32::from(REMOTE_SLOTS)
+                + qp::MAX_GRANTS as u32,
             recv_depth: r.recv_queue_depth.into(),
             max_inline: r.inline_threshold,
             // RTS headers (20 bytes) go inline unless inline_threshold is
@@ -684,6 +689,179 @@ impl MessageEndpoint {
     #[cfg(tokio_rdma_guest)]
     pub(crate) fn forge_rts(&self, len: u64, addr: u64, rkey: u32) -> io::Result<()> {
         self.conn.send_forged_rts(len, addr, rkey)
+    }
+
+    /// Grants the peer `access` to exactly the bytes `range` of `region`
+    /// (a memory window of type 2 bound on this connection's QP), once the
+    /// NIC confirmed the bind. Hand [`Grant::remote`] to the peer. The
+    /// region must be a buffer of this endpoint's pool. See
+    /// [`crate::remote`] for what the peer can do with it.
+    ///
+    /// # Errors
+    /// `InvalidInput` for an empty range or access, a range past the
+    /// region's end, or a region not in this endpoint's pool;
+    /// `OutOfMemory` ([`Error::ResourceLimit`]) at this connection's quota
+    /// of 64 grants or the device's memory windows; `ConnectionReset` /
+    /// `BrokenPipe` once the endpoint failed or closed.
+    pub async fn grant(
+        &self,
+        region: &LocalRegion,
+        range: std::ops::Range<usize>,
+        access: GrantAccess,
+    ) -> io::Result<Grant> {
+        let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidInput, m);
+        if access.is_empty() {
+            return Err(invalid("a grant needs some access".into()));
+        }
+        if range.start >= range.end || range.end > region.len() {
+            return Err(invalid(format!(
+                "grant range {range:?} is empty or passes the region's {} bytes",
+                region.len()
+            )));
+        }
+        if !self.pool.owns(region.ptr(), region.len()) {
+            return Err(invalid(
+                "the region is not a buffer of this endpoint's pool".into(),
+            ));
+        }
+        let (offset, len) = (range.start as u64, (range.end - range.start) as u64);
+        let (wr_id, rkey) = self.conn.start_grant(region, offset, len, access).await?;
+        // The grant exists from the post on: revoked if this wait is
+        // dropped or fails.
+        let grant = Grant {
+            conn: self.conn.downgrade(),
+            id: wr_id,
+            remote: RemoteRegion::new(region.addr() + offset, len, rkey, access),
+            revoked: false,
+        };
+        self.conn
+            .wait_remote(wr_id, "memory window bind (grant)")
+            .await?;
+        Ok(grant)
+    }
+
+    /// Grants bound on this connection now (its quota is 64).
+    pub fn grants(&self) -> usize {
+        self.conn.grants_held()
+    }
+
+    /// Reads `len` bytes at `offset` of `remote` (a grant of the peer's)
+    /// with one RDMA READ into a new pool buffer.
+    ///
+    /// # Errors
+    /// `InvalidInput` (nothing posted) when the range passes the grant or
+    /// the grant has no READ, or `len` exceeds 2 GiB;
+    /// [`Error::RemoteAccess`] (`PermissionDenied`) when the peer's NIC
+    /// refuses (revoked, another connection's grant), which fails the
+    /// endpoint; the pool's errors; `ConnectionReset` once the endpoint
+    /// failed. Cancel-safe: dropping the future leaves the buffer with
+    /// the endpoint until the NIC is done with it.
+    pub async fn read(
+        &self,
+        remote: &RemoteRegion,
+        offset: u64,
+        len: usize,
+    ) -> io::Result<PoolBytes> {
+        let addr = remote.check("RDMA READ", offset, len as u64, GrantAccess::READ)?;
+        let len32 = u32::try_from(len)
+            .ok()
+            .filter(|&l| l <= 1 << 31)
+            .ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, "RDMA READ of more than 2 GiB")
+            })?;
+        let buf = self.pool.alloc_any(len.max(1)).await?;
+        let wr = RemoteWr::Read {
+            addr,
+            rkey: remote.rkey(),
+            len: len32,
+        };
+        let id = self.conn.start_remote(wr, buf).await?;
+        let mut buf = self
+            .conn
+            .wait_remote(id, "RDMA READ")
+            .await?
+            .ok_or_else(|| io::Error::from(Error::Internal("READ without its buffer".into())))?;
+        buf.set_len(len);
+        Ok(buf.freeze())
+    }
+
+    /// Writes `data` at `offset` of `remote` (a grant of the peer's) with
+    /// one RDMA WRITE, from a pool buffer it is copied into; returns once
+    /// the write completed (the peer's NIC acknowledged it).
+    ///
+    /// # Errors
+    /// As [`read`](Self::read), for WRITE access.
+    pub async fn write(&self, remote: &RemoteRegion, offset: u64, data: &[u8]) -> io::Result<()> {
+        let addr = remote.check("RDMA WRITE", offset, data.len() as u64, GrantAccess::WRITE)?;
+        let len = u32::try_from(data.len())
+            .ok()
+            .filter(|&l| l <= 1 << 31)
+            .ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, "RDMA WRITE of more than 2 GiB")
+            })?;
+        let mut buf = self.pool.alloc_any(data.len().max(1)).await?;
+        buf.spare_mut()[..data.len()].copy_from_slice(data);
+        buf.set_len(data.len());
+        let wr = RemoteWr::Write {
+            addr,
+            rkey: remote.rkey(),
+            len,
+        };
+        let id = self.conn.start_remote(wr, buf).await?;
+        self.conn.wait_remote(id, "RDMA WRITE").await.map(drop)
+    }
+
+    /// Atomically compares the 8-byte word at `offset` of `remote` (8-byte
+    /// aligned, host byte order as the NIC reports it) with `expect` and,
+    /// if equal, replaces it with `new`; returns the word's value before
+    /// (equal to `expect` when the swap happened). IBTA atomics are atomic
+    /// among the NICs' operations, not against the owner's CPU writes.
+    ///
+    /// # Errors
+    /// As [`read`](Self::read), for ATOMIC access and an aligned word.
+    pub async fn compare_swap(
+        &self,
+        remote: &RemoteRegion,
+        offset: u64,
+        expect: u64,
+        new: u64,
+    ) -> io::Result<u64> {
+        let addr = remote.check("ATOMIC compare-and-swap", offset, 8, GrantAccess::ATOMIC)?;
+        let wr = RemoteWr::CompareSwap {
+            addr,
+            rkey: remote.rkey(),
+            compare: expect,
+            swap: new,
+        };
+        self.atomic(wr, "ATOMIC compare-and-swap").await
+    }
+
+    /// Atomically adds `add` (wrapping) to the 8-byte word at `offset` of
+    /// `remote` (8-byte aligned); returns the word's value before.
+    ///
+    /// # Errors
+    /// As [`compare_swap`](Self::compare_swap).
+    pub async fn fetch_add(&self, remote: &RemoteRegion, offset: u64, add: u64) -> io::Result<u64> {
+        let addr = remote.check("ATOMIC fetch-and-add", offset, 8, GrantAccess::ATOMIC)?;
+        let wr = RemoteWr::FetchAdd {
+            addr,
+            rkey: remote.rkey(),
+            add,
+        };
+        self.atomic(wr, "ATOMIC fetch-and-add").await
+    }
+
+    async fn atomic(&self, wr: RemoteWr, op: &'static str) -> io::Result<u64> {
+        let buf = self.pool.alloc_any(8).await?;
+        let id = self.conn.start_remote(wr, buf).await?;
+        let mut buf =
+            self.conn.wait_remote(id, op).await?.ok_or_else(|| {
+                io::Error::from(Error::Internal("atomic without its buffer".into()))
+            })?;
+        buf.set_len(8);
+        let mut word = [0u8; 8];
+        word.copy_from_slice(&buf.as_slice()[..8]);
+        Ok(u64::from_ne_bytes(word))
     }
 
     #[cfg(tokio_rdma_guest)]

@@ -16,15 +16,27 @@
 //! before any buffer is freed.
 
 use std::collections::HashMap;
+use std::task::{Context, Poll, Waker};
 
 use crate::error::{Error, Result};
 use crate::pool::{OutgoingMessage, PoolBuf};
 use crate::proto::message::{MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN, RtsHeader};
+use crate::remote::{GrantAccess, LocalRegion};
 use crate::verbs::ledger::{Ledger, PostedOp};
 use crate::verbs::mw::{MemoryWindow, WindowAccess};
 use crate::verbs::rc::{
-    BindTarget, MW_WR_FLAG, RECV_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr, Sge,
+    BindTarget, MW_WR_FLAG, RECV_WR_FLAG, REMOTE_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr,
+    Sge,
 };
+
+/// Send-queue slots kept for remote-memory work (one-sided operations,
+/// grant binds and revocations) beyond the protocol core's: at most this
+/// many such WRs are posted at once; more wait for a slot.
+pub(crate) const REMOTE_SLOTS: u16 = 16;
+
+/// Memory windows one connection may hold for grants at once (its quota;
+/// a device has a few thousand: rxe 8,192 by default).
+pub(crate) const MAX_GRANTS: usize = 64;
 
 /// Bytes of scratch per send-queue slot for an RTS header that is not
 /// posted inline.
@@ -50,6 +62,9 @@ pub(crate) struct MessageQp {
     // to and before the memory regions under them; then the QP is
     // destroyed before the buffers below.
     windows: Windows,
+    /// Windows bound for grants (`crate::remote`), by grant id: dropped
+    /// (deallocated, so their keys die) before the QP and the regions.
+    grant_windows: HashMap<u64, MemoryWindow>,
     qp: RcQueuePair,
     /// Posted send-queue WRs not known complete, and what the runtime gave
     /// up while one of them still names it (after the QP: freed once it is
@@ -62,8 +77,63 @@ pub(crate) struct MessageQp {
     dests: HashMap<u64, PoolBuf>,
     /// Messages being sent, by token.
     sending: HashMap<u64, OutgoingMessage>,
+    /// Remote-memory work in flight (one-sided operations, grant binds
+    /// and revocations), by wr_id.
+    remote: HashMap<u64, RemoteOp>,
+    /// Regions under a bound grant window, by grant id: kept alive until
+    /// the window is invalidated or deallocated (after the QP).
+    grant_regions: HashMap<u64, (LocalRegion, u64)>,
+    /// Next remote wr_id (with [`REMOTE_WR_FLAG`]).
+    next_remote: u64,
+    /// Tasks waiting for a remote slot.
+    remote_waiters: Vec<Waker>,
     #[cfg(tokio_rdma_guest)]
     last_sge: Option<PostedSge>,
+}
+
+/// One remote-memory WR in flight.
+struct RemoteOp {
+    /// What it is.
+    kind: RemoteKind,
+    /// Its completion status, once polled.
+    status: Option<u32>,
+    /// The task waiting for it (none once its future was dropped).
+    waker: Option<Waker>,
+    /// The local buffer it reads (WRITE) or writes (READ, atomics), while
+    /// its future waits; pinned in the ledger until the completion.
+    local: Option<PoolBuf>,
+    /// Its future was dropped: nobody takes the result.
+    abandoned: bool,
+}
+
+/// What a remote-memory WR does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RemoteKind {
+    /// A one-sided operation.
+    Op,
+    /// The bind of grant `grant`'s window.
+    Bind { grant: u64 },
+    /// The invalidation of grant `grant`'s window.
+    Revoke { grant: u64 },
+}
+
+/// A one-sided operation to post ([`MessageQp::post_remote`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RemoteWr {
+    /// RDMA READ of the local buffer's capacity (or `len`) from
+    /// `addr`/`rkey`.
+    Read { addr: u64, rkey: u32, len: u32 },
+    /// RDMA WRITE of the local buffer's first `len` bytes.
+    Write { addr: u64, rkey: u32, len: u32 },
+    /// ATOMIC compare-and-swap.
+    CompareSwap {
+        addr: u64,
+        rkey: u32,
+        compare: u64,
+        swap: u64,
+    },
+    /// ATOMIC fetch-and-add.
+    FetchAdd { addr: u64, rkey: u32, add: u64 },
 }
 
 /// Memory of this QP's that a posted send-queue WR may still name when the
@@ -122,12 +192,17 @@ impl MessageQp {
     pub(crate) fn new(qp: RcQueuePair, send_depth: u16) -> Self {
         MessageQp {
             windows: Windows::default(),
+            grant_windows: HashMap::new(),
             qp,
             ledger: Ledger::default(),
             send_depth: u64::from(send_depth.max(1)),
             recv: HashMap::new(),
             dests: HashMap::new(),
             sending: HashMap::new(),
+            remote: HashMap::new(),
+            grant_regions: HashMap::new(),
+            next_remote: 0,
+            remote_waiters: Vec::new(),
             #[cfg(tokio_rdma_guest)]
             last_sge: None,
         }
@@ -529,5 +604,316 @@ impl MessageQp {
             self.note_sge(sge);
         }
         posted
+    }
+}
+
+/// Remote memory (`crate::remote`): one-sided operations posted on this
+/// QP with a local pool buffer each, and grants (type-2 windows bound on
+/// this QP over a region). A buffer stays with its operation while the
+/// future waits and with the ledger once the future is dropped, until
+/// the WR's completion or flush; a region stays under its window until
+/// the window's invalidation completed or the window is deallocated.
+impl MessageQp {
+    fn remote_wr_id(&mut self) -> u64 {
+        self.next_remote += 1;
+        REMOTE_WR_FLAG | self.next_remote
+    }
+
+    /// Remote-memory WRs posted and not known complete (those whose
+    /// future was dropped included).
+    pub(crate) fn remote_in_flight(&self) -> usize {
+        self.remote.len()
+    }
+
+    /// Grants whose window is bound now.
+    pub(crate) fn grants_held(&self) -> usize {
+        self.grant_windows.len()
+    }
+
+    /// Ready once fewer than [`REMOTE_SLOTS`] remote WRs are in flight;
+    /// registers `cx`'s waker otherwise.
+    pub(crate) fn poll_remote_slot(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.remote.len() < usize::from(REMOTE_SLOTS) {
+            return Poll::Ready(());
+        }
+        self.remote_waiters.push(cx.waker().clone());
+        Poll::Pending
+    }
+
+    fn remote_slot_freed(&mut self) {
+        for w in self.remote_waiters.drain(..) {
+            w.wake();
+        }
+    }
+
+    fn insert_remote(&mut self, wr_id: u64, kind: RemoteKind, local: Option<PoolBuf>) {
+        self.remote.insert(
+            wr_id,
+            RemoteOp {
+                kind,
+                status: None,
+                waker: None,
+                local,
+                abandoned: false,
+            },
+        );
+    }
+
+    /// Posts one signaled one-sided WR with `local` as its local buffer
+    /// (the READ's destination, the WRITE's source, the atomic's 8-byte
+    /// result) and returns its wr_id. The caller checked the remote range
+    /// against the grant; the local length is checked here.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] for a local buffer too short;
+    /// [`Error::Verbs`] if the post fails (nothing was posted: a single
+    /// WR is taken whole or not at all, and `local` is freed).
+    pub(crate) fn post_remote(&mut self, wr: RemoteWr, local: PoolBuf) -> Result<u64> {
+        let need = match wr {
+            RemoteWr::Read { len, .. } => len as usize,
+            RemoteWr::Write { len, .. } => len as usize,
+            RemoteWr::CompareSwap { .. } | RemoteWr::FetchAdd { .. } => 8,
+        };
+        if need > local.capacity() {
+            return Err(internal(format!(
+                "remote operation of {need} bytes with a local buffer of {}",
+                local.capacity()
+            )));
+        }
+        let sge = Sge {
+            addr: local.addr(),
+            len: need as u32,
+            lkey: local.lkey(),
+        };
+        let (op, posted) = match wr {
+            RemoteWr::Read { addr, rkey, .. } => (
+                SendOp::Read {
+                    local: sge,
+                    remote_addr: addr,
+                    rkey,
+                },
+                PostedOp::Read,
+            ),
+            RemoteWr::Write { addr, rkey, .. } => (
+                SendOp::Write {
+                    local: sge,
+                    remote_addr: addr,
+                    rkey,
+                },
+                PostedOp::Write,
+            ),
+            RemoteWr::CompareSwap {
+                addr,
+                rkey,
+                compare,
+                swap,
+            } => (
+                SendOp::CompareSwap {
+                    local: sge,
+                    remote_addr: addr,
+                    rkey,
+                    compare,
+                    swap,
+                },
+                PostedOp::Atomic,
+            ),
+            RemoteWr::FetchAdd { addr, rkey, add } => (
+                SendOp::FetchAdd {
+                    local: sge,
+                    remote_addr: addr,
+                    rkey,
+                    add,
+                },
+                PostedOp::Atomic,
+            ),
+        };
+        let wr_id = self.remote_wr_id();
+        let wrs = [SendWr {
+            wr_id,
+            signaled: true,
+            solicited: false,
+            op,
+        }];
+        // SAFETY: the SGE names `local`, a pool buffer registered with
+        // local write on this QP's PD, inside its capacity (checked above).
+        // It is held by this operation's entry in `self.remote` while its
+        // future waits, and pinned in the ledger (recorded right below) so
+        // that a future dropped before the completion hands it to the
+        // ledger, which frees it only at the completion or flush, or after
+        // the QP is destroyed (field order). The program does not touch it
+        // meanwhile: the future gets it back only after the completion.
+        unsafe { self.qp.post_send_batch(&wrs) }?;
+        self.ledger.record(wr_id, posted, Some(wr_id));
+        self.insert_remote(wr_id, RemoteKind::Op, Some(local));
+        Ok(wr_id)
+    }
+
+    /// The status of remote WR `wr_id` and its local buffer once it
+    /// completed (the entry is gone then); registers `cx`'s waker
+    /// otherwise. `None` for a wr_id this QP does not know.
+    pub(crate) fn poll_remote(
+        &mut self,
+        wr_id: u64,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<(u32, Option<PoolBuf>)>> {
+        let Some(op) = self.remote.get_mut(&wr_id) else {
+            return Poll::Ready(None);
+        };
+        if op.status.is_none() {
+            op.waker = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let op = self.remote.remove(&wr_id).expect("checked above");
+        self.remote_slot_freed();
+        Poll::Ready(op.status.map(|s| (s, op.local)))
+    }
+
+    /// The future waiting for remote WR `wr_id` was dropped (or gave up on
+    /// a failed connection): its local buffer goes to the ledger until the
+    /// WR completes or is flushed; the slot stays taken until then.
+    pub(crate) fn abandon_remote(&mut self, wr_id: u64) {
+        let Some(op) = self.remote.get_mut(&wr_id) else {
+            return;
+        };
+        if op.status.is_some() {
+            self.remote.remove(&wr_id);
+            self.remote_slot_freed();
+            return;
+        }
+        op.abandoned = true;
+        op.waker = None;
+        if let Some(buf) = op.local.take() {
+            drop(self.ledger.release(wr_id, Held::Dest(buf)));
+        }
+    }
+
+    /// What remote WR `wr_id` did, for its error.
+    pub(crate) fn remote_op_name(&self, wr_id: u64) -> &'static str {
+        match (
+            self.ledger.op(wr_id),
+            self.remote.get(&wr_id).map(|o| o.kind),
+        ) {
+            (_, Some(RemoteKind::Bind { .. })) => "memory window bind (grant)",
+            (_, Some(RemoteKind::Revoke { .. })) => "memory window invalidation (revoke)",
+            (Some(PostedOp::Read), _) => "RDMA READ",
+            (Some(PostedOp::Write), _) => "RDMA WRITE",
+            (Some(PostedOp::Atomic), _) => "ATOMIC",
+            _ => "remote memory operation",
+        }
+    }
+
+    /// Remote WR `wr_id` completed (or was flushed) with `status`: the
+    /// ledger lets go of what it pinned, a grant's window whose revocation
+    /// completed (or whose bind or revocation failed, on a QP now in
+    /// error) is deallocated and its region let go, and the waiting future
+    /// is woken.
+    pub(crate) fn remote_completed(&mut self, wr_id: u64, status: u32) {
+        self.ledger.complete(wr_id);
+        let Some(op) = self.remote.get_mut(&wr_id) else {
+            return;
+        };
+        op.status = Some(status);
+        let kind = op.kind;
+        let abandoned = op.abandoned;
+        if let Some(w) = op.waker.take() {
+            w.wake();
+        }
+        match kind {
+            RemoteKind::Revoke { grant } => self.drop_grant(grant),
+            RemoteKind::Bind { grant } if status != 0 => self.drop_grant(grant),
+            _ => {}
+        }
+        if abandoned {
+            self.remote.remove(&wr_id);
+            self.remote_slot_freed();
+        }
+    }
+
+    /// Deallocates grant `grant`'s window (its key opens nothing from
+    /// then on), then lets its region go.
+    fn drop_grant(&mut self, grant: u64) {
+        drop(self.grant_windows.remove(&grant));
+        self.grant_regions.remove(&grant);
+    }
+
+    /// Binds a type-2 window on this QP over `len` bytes at `offset` of
+    /// `region` with exactly `access` (a signaled bind); returns the
+    /// bind's wr_id (which is also the grant's id) and the window's key.
+    /// The region is kept until the window is deallocated.
+    ///
+    /// # Errors
+    /// [`Error::ResourceLimit`] at [`MAX_GRANTS`] windows on this
+    /// connection or the device's `max_mw`; [`Error::Verbs`] if the bind
+    /// cannot be posted.
+    pub(crate) fn bind_grant(
+        &mut self,
+        region: &LocalRegion,
+        offset: u64,
+        len: u64,
+        access: GrantAccess,
+    ) -> Result<(u64, u32)> {
+        if self.grant_windows.len() >= MAX_GRANTS {
+            return Err(Error::ResourceLimit {
+                resource: crate::error::Resource::MemoryWindows,
+                limit: Some(MAX_GRANTS as u64),
+                op: "grant (per-connection quota of memory windows)",
+                source: std::io::Error::from_raw_os_error(libc::ENOMEM),
+            });
+        }
+        let mr = region.raw_mr();
+        if mr == 0 {
+            return Err(internal("region without a memory region to bind on".into()));
+        }
+        let mut window = MemoryWindow::alloc(self.qp.device())?;
+        let wr_id = self.remote_wr_id();
+        let target = BindTarget {
+            mr,
+            addr: region.addr() + offset,
+            len,
+        };
+        // SAFETY: `mr` is the live MR under the region's pool buffer
+        // (registered with LOCAL_WRITE and MW_BIND on this QP's PD: the
+        // endpoint checks that the region is in its pool), and the range
+        // lies inside it (the caller checked it). The region is kept in
+        // `self.grant_regions` until the window is deallocated: at its
+        // revocation's completion, a failed bind, or this struct's drop,
+        // where `grant_windows` drops before the QP and the regions.
+        let rkey = unsafe {
+            self.qp.post_bind_mw(
+                wr_id,
+                &mut window,
+                target,
+                WindowAccess::Grant {
+                    read: access.read,
+                    write: access.write,
+                    atomic: access.atomic,
+                },
+                true,
+            )
+        }?;
+        self.grant_windows.insert(wr_id, window);
+        self.grant_regions.insert(wr_id, (region.clone(), len));
+        self.insert_remote(wr_id, RemoteKind::Bind { grant: wr_id }, None);
+        Ok((wr_id, rkey))
+    }
+
+    /// Posts the invalidation of grant `grant`'s window (signaled) and
+    /// returns its wr_id; `None` when the grant's window is already gone.
+    /// With `abandoned`, nobody waits for it (a dropped `Grant`).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if the LOCAL_INV cannot be posted.
+    pub(crate) fn revoke_grant(&mut self, grant: u64, abandoned: bool) -> Result<Option<u64>> {
+        let Some(window) = self.grant_windows.get(&grant) else {
+            return Ok(None);
+        };
+        let rkey = window.rkey();
+        let wr_id = self.remote_wr_id();
+        self.qp.post_local_inv(wr_id, rkey, true)?;
+        self.insert_remote(wr_id, RemoteKind::Revoke { grant }, None);
+        if abandoned {
+            self.abandon_remote(wr_id);
+        }
+        Ok(Some(wr_id))
     }
 }

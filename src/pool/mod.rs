@@ -86,8 +86,7 @@ pub enum ExhaustedPolicy {
 }
 
 /// Sizes and limits of a [`MemoryPool`]. `Default` gives the values
-/// documented on each setter; [`MemoryPool::with_registrar`] and
-/// [`MemoryPool::for_device`] check the rules and fail with
+/// documented on each setter; [`MemoryPool::for_device`] checks the rules and fail with
 /// [`PoolError::InvalidConfig`] when one is broken.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {

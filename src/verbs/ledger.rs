@@ -41,6 +41,11 @@ pub(crate) enum PostedOp {
     Send,
     /// RDMA READ: the NIC writes the SGE (the local destination).
     Read,
+    /// RDMA WRITE: the NIC reads the SGE (the local source).
+    Write,
+    /// ATOMIC compare-and-swap or fetch-and-add: the NIC writes the
+    /// original value into the SGE (8 bytes).
+    Atomic,
 }
 
 /// One posted WR not known complete.

@@ -33,6 +33,13 @@ pub(crate) enum WindowAccess {
     RemoteRead,
     /// RDMA WRITE only (`IBV_ACCESS_REMOTE_WRITE`): a stream's receive ring.
     RemoteWrite,
+    /// A grant of remote memory (`crate::remote`): any set of READ, WRITE
+    /// and atomics (`IBV_ACCESS_REMOTE_READ`/`_WRITE`/`_ATOMIC`).
+    Grant {
+        read: bool,
+        write: bool,
+        atomic: bool,
+    },
 }
 
 /// One type-2 memory window on a device's PD.

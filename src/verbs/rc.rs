@@ -531,7 +531,36 @@ pub(crate) enum SendOp<'a> {
         remote_addr: u64,
         rkey: u32,
     },
+    /// RDMA WRITE of `local` to `remote_addr` (no immediate data).
+    Write {
+        local: Sge,
+        remote_addr: u64,
+        rkey: u32,
+    },
+    /// ATOMIC compare-and-swap of the 8 bytes at `remote_addr` (8-byte
+    /// aligned): swapped to `swap` if equal to `compare`; the original
+    /// value lands in `local` (8 bytes).
+    CompareSwap {
+        local: Sge,
+        remote_addr: u64,
+        rkey: u32,
+        compare: u64,
+        swap: u64,
+    },
+    /// ATOMIC fetch-and-add of `add` to the 8 bytes at `remote_addr`
+    /// (8-byte aligned, wrapping); the original value lands in `local`.
+    FetchAdd {
+        local: Sge,
+        remote_addr: u64,
+        rkey: u32,
+        add: u64,
+    },
 }
+
+/// Remote-memory operations and grants (`crate::remote`) carry this wr_id
+/// bit: their completions go to the waiting operation, not the protocol
+/// core.
+pub(crate) const REMOTE_WR_FLAG: u64 = 1 << 60;
 
 /// Receive WRs carry this wr_id bit so send and receive completions are
 /// told apart even on providers that report odd opcodes on errors.
@@ -1052,6 +1081,23 @@ impl RcQueuePair {
         let flags = match access {
             WindowAccess::RemoteRead => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
             WindowAccess::RemoteWrite => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+            WindowAccess::Grant {
+                read,
+                write,
+                atomic,
+            } => {
+                let mut f = 0;
+                if read {
+                    f |= ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+                }
+                if write {
+                    f |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+                }
+                if atomic {
+                    f |= ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+                }
+                f
+            }
         };
         let mut wr = Self::raw_send_wr(wr_id, ibv_wr_opcode::IBV_WR_BIND_MW, signaled);
         wr.bind_mw_tso_union.bind_mw = bind_mw_t {
@@ -1329,6 +1375,36 @@ impl RcQueuePair {
                     rkey,
                 } => {
                     let wr = wr.setup_read(rkey, remote_addr);
+                    // SAFETY: the caller guarantees the SGE's memory.
+                    unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
+                }
+                SendOp::Write {
+                    local,
+                    remote_addr,
+                    rkey,
+                } => {
+                    let wr = wr.setup_write(rkey, remote_addr);
+                    // SAFETY: the caller guarantees the SGE's memory.
+                    unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
+                }
+                SendOp::CompareSwap {
+                    local,
+                    remote_addr,
+                    rkey,
+                    compare,
+                    swap,
+                } => {
+                    let wr = wr.setup_atomic_compare_swap(rkey, remote_addr, compare, swap);
+                    // SAFETY: the caller guarantees the SGE's memory.
+                    unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
+                }
+                SendOp::FetchAdd {
+                    local,
+                    remote_addr,
+                    rkey,
+                    add,
+                } => {
+                    let wr = wr.setup_atomic_fetch_add(rkey, remote_addr, add);
                     // SAFETY: the caller guarantees the SGE's memory.
                     unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
                 }

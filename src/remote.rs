@@ -1,0 +1,565 @@
+//! Remote memory: grant a peer a window on your memory, and read, write
+//! and atomically update what a peer granted you, with one-sided RDMA
+//! operations that the peer's CPU takes no part in.
+//!
+//! - A [`LocalRegion`] is memory a peer may reach: a [`PoolBuf`] of the
+//!   endpoint's pool, shared with the NIC from then on (read and written
+//!   here only by copies, [`LocalRegion::read_at`]/[`LocalRegion::write_at`],
+//!   since the peer's NIC may write it at any time).
+//! - [`MessageEndpoint::grant`](crate::MessageEndpoint::grant) binds a
+//!   type-2 memory window on that connection's queue pair (QP) over
+//!   exactly a byte range of a region with exactly the access asked for
+//!   ([`GrantAccess`]) and returns a [`Grant`]. Its [`RemoteRegion`]
+//!   (address, length, key, access; [`RemoteRegion::encode`] gives its
+//!   24-byte wire form) goes to the peer over any channel, typically a
+//!   message on the same endpoint.
+//! - The peer calls [`read`](crate::MessageEndpoint::read),
+//!   [`write`](crate::MessageEndpoint::write),
+//!   [`compare_swap`](crate::MessageEndpoint::compare_swap) and
+//!   [`fetch_add`](crate::MessageEndpoint::fetch_add) on its endpoint
+//!   with that `RemoteRegion`.
+//!
+//! # What a peer can and cannot do
+//!
+//! A peer reaches exactly the bytes of a grant it was handed, with exactly
+//! the grant's access, through the one connection the grant was bound on
+//! (a type-2 window is tied to its QP: the key is refused on any other
+//! QP, IBTA vol. 1, 10.6.7.2.4), until the grant is revoked
+//! ([`Grant::revoke`] returns once the NIC confirmed the invalidation;
+//! dropping a `Grant` revokes it in the background) or the connection
+//! ends. The memory regions under grants have no remote access of their
+//! own. Nothing else of the process is reachable: not the rest of the
+//! region, not other buffers of the pool. No clock crosses hosts: a grant
+//! lasts until it is revoked, not for a lease.
+//!
+//! # Failures
+//!
+//! The requester checks every range against the `RemoteRegion` before
+//! posting: out of range, misaligned atomics or an access the grant does
+//! not give are `InvalidInput`, and nothing is posted. What the peer's NIC
+//! refuses (a revoked key, another connection's key, a forged range) is
+//! [`Error::RemoteAccess`](crate::Error::RemoteAccess)
+//! (`PermissionDenied`), and, as on every reliable-connected QP (IBTA
+//! vol. 1, 11.6.2), the QP goes to the error state: the endpoint fails
+//! with that error, its messages and grants with it.
+//!
+//! # Cancellation
+//!
+//! Dropping an operation's future (or a timeout around it) never frees or
+//! reuses memory the NIC may still read or write: the local buffer stays
+//! with the endpoint's ledger of posted work until the operation's
+//! completion or flush.
+
+use std::fmt;
+use std::io;
+use std::ops::{BitOr, Range};
+use std::sync::{Arc, RwLock, Weak};
+
+use crate::conn::shared::Shared;
+use crate::message::MsgState;
+use crate::pool::PoolBuf;
+
+/// What a grant lets the peer do with its bytes: any set of RDMA READ,
+/// RDMA WRITE and atomics (compare-and-swap, fetch-and-add). Combine with
+/// `|`: `GrantAccess::READ | GrantAccess::ATOMIC`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct GrantAccess {
+    pub(crate) read: bool,
+    pub(crate) write: bool,
+    pub(crate) atomic: bool,
+}
+
+impl GrantAccess {
+    /// RDMA READ (`IBV_ACCESS_REMOTE_READ`).
+    pub const READ: GrantAccess = GrantAccess {
+        read: true,
+        write: false,
+        atomic: false,
+    };
+    /// RDMA WRITE (`IBV_ACCESS_REMOTE_WRITE`).
+    pub const WRITE: GrantAccess = GrantAccess {
+        read: false,
+        write: true,
+        atomic: false,
+    };
+    /// Atomics on aligned 8-byte words (`IBV_ACCESS_REMOTE_ATOMIC`).
+    pub const ATOMIC: GrantAccess = GrantAccess {
+        read: false,
+        write: false,
+        atomic: true,
+    };
+
+    /// Whether RDMA READ is allowed.
+    pub fn read(self) -> bool {
+        self.read
+    }
+    /// Whether RDMA WRITE is allowed.
+    pub fn write(self) -> bool {
+        self.write
+    }
+    /// Whether atomics are allowed.
+    pub fn atomic(self) -> bool {
+        self.atomic
+    }
+    /// Whether nothing is allowed.
+    pub fn is_empty(self) -> bool {
+        !(self.read || self.write || self.atomic)
+    }
+    /// Whether every access of `other` is in `self`.
+    pub fn contains(self, other: GrantAccess) -> bool {
+        (self.read || !other.read) && (self.write || !other.write) && (self.atomic || !other.atomic)
+    }
+
+    fn bits(self) -> u8 {
+        u8::from(self.read) | u8::from(self.write) << 1 | u8::from(self.atomic) << 2
+    }
+
+    fn from_bits(bits: u8) -> Option<GrantAccess> {
+        if bits & !0b111 != 0 {
+            return None;
+        }
+        Some(GrantAccess {
+            read: bits & 1 != 0,
+            write: bits & 2 != 0,
+            atomic: bits & 4 != 0,
+        })
+    }
+}
+
+impl BitOr for GrantAccess {
+    type Output = GrantAccess;
+    fn bitor(self, rhs: GrantAccess) -> GrantAccess {
+        GrantAccess {
+            read: self.read || rhs.read,
+            write: self.write || rhs.write,
+            atomic: self.atomic || rhs.atomic,
+        }
+    }
+}
+
+/// Memory a peer may reach through grants: one pool buffer's whole
+/// capacity, shared with the NIC. Cheap to clone (an `Arc`); the memory
+/// stays allocated while any clone, any grant on it or any operation into
+/// it lives.
+///
+/// A peer with a write or atomic grant may change its bytes at any time,
+/// so the region hands out no `&[u8]`: [`read_at`](Self::read_at) and
+/// [`write_at`](Self::write_at) copy (serialised among this process's
+/// threads; the peer's NIC is not), and [`load_u64`](Self::load_u64)
+/// reads a word the peer updates with atomics.
+#[derive(Clone)]
+pub struct LocalRegion {
+    inner: Arc<RegionInner>,
+}
+
+struct RegionInner {
+    /// The memory; its bytes are reached only through `ptr` from here on.
+    buf: PoolBuf,
+    /// Serialises this process's copies in and out.
+    copies: RwLock<()>,
+}
+
+impl fmt::Debug for LocalRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalRegion")
+            .field("addr", &self.addr())
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+fn out_of_range(what: &str, offset: usize, len: usize, size: usize) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{what}: {len} bytes at offset {offset} exceed the region's {size} bytes"),
+    )
+}
+
+impl LocalRegion {
+    /// Makes `buf`'s whole capacity (bytes) a region; its contents are
+    /// kept.
+    pub fn new(buf: PoolBuf) -> LocalRegion {
+        LocalRegion {
+            inner: Arc::new(RegionInner {
+                buf,
+                copies: RwLock::new(()),
+            }),
+        }
+    }
+
+    /// Length in bytes (the buffer's capacity).
+    pub fn len(&self) -> usize {
+        self.inner.buf.capacity()
+    }
+
+    /// Whether the region has no bytes (never, for a pool buffer).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The virtual address of its first byte.
+    pub fn addr(&self) -> u64 {
+        self.inner.buf.addr()
+    }
+
+    pub(crate) fn raw_mr(&self) -> usize {
+        self.inner.buf.raw_mr()
+    }
+
+    pub(crate) fn ptr(&self) -> *const u8 {
+        self.inner.buf.addr() as *const u8
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the region.
+    ///
+    /// # Errors
+    /// `InvalidInput` when the range passes the region's end.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> io::Result<()> {
+        let len = self.len();
+        if offset.checked_add(dst.len()).is_none_or(|e| e > len) {
+            return Err(out_of_range("read_at", offset, dst.len(), len));
+        }
+        let _g = self.inner.copies.read().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the range lies inside the buffer (checked above), which
+        // lives as long as `self`; `dst` is a distinct allocation of the
+        // caller's. Writers of this process hold the write lock; the NIC's
+        // writes (a peer's grant) are outside the program, as with memory
+        // shared with a device.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr().add(offset), dst.as_mut_ptr(), dst.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `src` into the region at `offset`.
+    ///
+    /// # Errors
+    /// `InvalidInput` when the range passes the region's end.
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> io::Result<()> {
+        let len = self.len();
+        if offset.checked_add(src.len()).is_none_or(|e| e > len) {
+            return Err(out_of_range("write_at", offset, src.len(), len));
+        }
+        let _g = self.inner.copies.write().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the range lies inside the buffer (checked above), which
+        // lives as long as `self` and is registered for the NIC only (no
+        // Rust reference to its bytes exists); the write lock excludes
+        // this process's other copies; `src` is the caller's.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.ptr().add(offset) as *mut u8,
+                src.len(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Reads the 8-byte word at `offset` (8-byte aligned) atomically, in
+    /// host byte order: the value a peer's compare-and-swap or
+    /// fetch-and-add left there.
+    ///
+    /// # Errors
+    /// `InvalidInput` when the word passes the region's end or `offset`
+    /// is not a multiple of 8.
+    pub fn load_u64(&self, offset: usize) -> io::Result<u64> {
+        let len = self.len();
+        if offset % 8 != 0 || offset.checked_add(8).is_none_or(|e| e > len) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "load_u64 at offset {offset} of a {len}-byte region (8-byte aligned words only)"
+                ),
+            ));
+        }
+        // SAFETY: the word lies inside the buffer (checked above), which
+        // lives as long as `self`, and is 8-byte aligned (pool buffers are
+        // page-aligned, `offset` a multiple of 8). It is only ever accessed
+        // atomically or by the NIC's atomics.
+        let word = unsafe { &*(self.ptr().add(offset) as *const std::sync::atomic::AtomicU64) };
+        Ok(word.load(std::sync::atomic::Ordering::Acquire))
+    }
+}
+
+/// The peer's side of a grant: `len` bytes at virtual address `addr` of
+/// the granting process, reached with remote key `rkey` through the one
+/// connection the grant was bound on, with `access`.
+///
+/// Its wire form ([`encode`](Self::encode), [`decode`](Self::decode)) is
+/// 24 bytes, little-endian: version (1 byte, 1), access bits (1 byte: 1
+/// READ, 2 WRITE, 4 ATOMIC), 2 bytes zero, rkey (4), addr (8), len (8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteRegion {
+    addr: u64,
+    len: u64,
+    rkey: u32,
+    access: GrantAccess,
+}
+
+/// Bytes of [`RemoteRegion::encode`]'s wire form.
+pub const REMOTE_REGION_LEN: usize = 24;
+
+/// Why bytes are not a [`RemoteRegion`] ([`RemoteRegion::decode`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RemoteRegionError {
+    /// Not [`REMOTE_REGION_LEN`] bytes.
+    #[error("a remote region is {REMOTE_REGION_LEN} bytes, got {0}")]
+    Length(usize),
+    /// A version other than 1.
+    #[error("unknown remote region version {0}")]
+    Version(u8),
+    /// Unknown access bits or non-zero reserved bytes.
+    #[error("malformed remote region (access bits {0:#x})")]
+    Malformed(u8),
+    /// `addr + len` overflows.
+    #[error("remote region range overflows")]
+    Overflow,
+}
+
+impl RemoteRegion {
+    /// The granted bytes' virtual address at the peer.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether the grant covers no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The remote key.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+    /// What the grant allows.
+    pub fn access(&self) -> GrantAccess {
+        self.access
+    }
+
+    /// The 24-byte wire form (see the type's docs).
+    pub fn encode(&self) -> [u8; REMOTE_REGION_LEN] {
+        let mut b = [0u8; REMOTE_REGION_LEN];
+        b[0] = 1;
+        b[1] = self.access.bits();
+        b[4..8].copy_from_slice(&self.rkey.to_le_bytes());
+        b[8..16].copy_from_slice(&self.addr.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Parses the wire form. A peer may send anything: whatever it claims
+    /// is only what the requester will ask its NIC for; the granting NIC
+    /// refuses what the grant does not cover.
+    ///
+    /// # Errors
+    /// [`RemoteRegionError`] for a wrong length, version, access bits or
+    /// an overflowing range.
+    pub fn decode(bytes: &[u8]) -> Result<RemoteRegion, RemoteRegionError> {
+        if bytes.len() != REMOTE_REGION_LEN {
+            return Err(RemoteRegionError::Length(bytes.len()));
+        }
+        if bytes[0] != 1 {
+            return Err(RemoteRegionError::Version(bytes[0]));
+        }
+        let access = GrantAccess::from_bits(bytes[1])
+            .filter(|_| bytes[2] == 0 && bytes[3] == 0)
+            .ok_or(RemoteRegionError::Malformed(bytes[1]))?;
+        let word = |r: Range<usize>| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&bytes[r]);
+            u64::from_le_bytes(a)
+        };
+        let rkey = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+        let (addr, len) = (word(8..16), word(16..24));
+        if addr.checked_add(len).is_none() {
+            return Err(RemoteRegionError::Overflow);
+        }
+        Ok(RemoteRegion {
+            addr,
+            len,
+            rkey,
+            access,
+        })
+    }
+
+    pub(crate) fn new(addr: u64, len: u64, rkey: u32, access: GrantAccess) -> RemoteRegion {
+        RemoteRegion {
+            addr,
+            len,
+            rkey,
+            access,
+        }
+    }
+
+    /// The remote address of `len` bytes at `offset` for `want`, checked
+    /// against the grant before anything is posted.
+    pub(crate) fn check(
+        &self,
+        op: &'static str,
+        offset: u64,
+        len: u64,
+        want: GrantAccess,
+    ) -> io::Result<u64> {
+        if !self.access.contains(want) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{op}: the grant does not allow it (it allows {:?})",
+                    self.access
+                ),
+            ));
+        }
+        if offset.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{op}: {len} bytes at offset {offset} exceed the grant's {} bytes",
+                    self.len
+                ),
+            ));
+        }
+        let addr = self.addr + offset;
+        if want.atomic && addr % 8 != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{op}: atomics need an 8-byte aligned address (offset {offset})"),
+            ));
+        }
+        Ok(addr)
+    }
+}
+
+/// A window on a [`LocalRegion`] granted to one connection's peer, from
+/// [`MessageEndpoint::grant`](crate::MessageEndpoint::grant). Hand
+/// [`remote`](Self::remote) to the peer. Revoked by
+/// [`revoke`](Self::revoke), or in the background when dropped; ends with
+/// its connection in any case.
+pub struct Grant {
+    pub(crate) conn: Weak<Shared<MsgState>>,
+    pub(crate) id: u64,
+    pub(crate) remote: RemoteRegion,
+    pub(crate) revoked: bool,
+}
+
+impl fmt::Debug for Grant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Grant")
+            .field("remote", &self.remote)
+            .finish()
+    }
+}
+
+impl Grant {
+    /// What the peer needs to use the grant.
+    pub fn remote(&self) -> RemoteRegion {
+        self.remote
+    }
+
+    /// Invalidates the window and returns once the NIC confirmed (the
+    /// LOCAL_INV completed): from then on the key opens nothing, and an
+    /// operation of the peer that was still in flight either completed
+    /// before or fails with a remote access error. A grant whose
+    /// connection already ended is revoked with it: `Ok`.
+    ///
+    /// # Errors
+    /// `ConnectionReset` (or the connection's own error) when the
+    /// connection fails before the NIC confirmed; the key is dead then
+    /// too (its QP is in the error state).
+    pub async fn revoke(mut self) -> io::Result<()> {
+        self.revoked = true;
+        let Some(conn) = self.conn.upgrade() else {
+            return Ok(());
+        };
+        let Some(wr_id) = conn.revoke_grant(self.id, false)? else {
+            return Ok(());
+        };
+        conn.wait_remote(wr_id, "memory window invalidation (revoke)")
+            .await
+            .map(|_| ())
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        if self.revoked {
+            return;
+        }
+        if let Some(conn) = self.conn.upgrade() {
+            // Best effort: a connection that cannot post the invalidation
+            // has failed, and its windows die with its QP.
+            let _ = conn.revoke_grant(self.id, true);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_remote_region_round_trips_through_its_wire_form() {
+        let r = RemoteRegion::new(
+            0x7f00_dead_b000,
+            4096,
+            0x1234_5678,
+            GrantAccess::READ | GrantAccess::ATOMIC,
+        );
+        let b = r.encode();
+        assert_eq!(b.len(), 24);
+        assert_eq!(b[0], 1);
+        assert_eq!(b[1], 0b101);
+        assert_eq!(&b[4..8], &0x1234_5678u32.to_le_bytes());
+        assert_eq!(RemoteRegion::decode(&b), Ok(r));
+    }
+
+    #[test]
+    fn bad_wire_forms_are_typed_errors() {
+        let good = RemoteRegion::new(8, 8, 1, GrantAccess::WRITE).encode();
+        assert_eq!(
+            RemoteRegion::decode(&good[..23]),
+            Err(RemoteRegionError::Length(23))
+        );
+        let mut b = good;
+        b[0] = 2;
+        assert_eq!(RemoteRegion::decode(&b), Err(RemoteRegionError::Version(2)));
+        let mut b = good;
+        b[1] = 8;
+        assert_eq!(
+            RemoteRegion::decode(&b),
+            Err(RemoteRegionError::Malformed(8))
+        );
+        let mut b = good;
+        b[3] = 1;
+        assert_eq!(
+            RemoteRegion::decode(&b),
+            Err(RemoteRegionError::Malformed(2))
+        );
+        let over = RemoteRegion::new(u64::MAX - 3, 8, 1, GrantAccess::READ).encode();
+        assert_eq!(
+            RemoteRegion::decode(&over),
+            Err(RemoteRegionError::Overflow)
+        );
+    }
+
+    #[test]
+    fn ranges_and_access_are_checked_before_posting() {
+        let r = RemoteRegion::new(4096, 64, 7, GrantAccess::READ | GrantAccess::ATOMIC);
+        assert_eq!(r.check("READ", 0, 64, GrantAccess::READ).unwrap(), 4096);
+        assert_eq!(r.check("READ", 63, 1, GrantAccess::READ).unwrap(), 4159);
+        let e = r.check("READ", 60, 8, GrantAccess::READ).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        let e = r.check("READ", u64::MAX, 2, GrantAccess::READ).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        let e = r.check("WRITE", 0, 8, GrantAccess::WRITE).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(r.check("ATOMIC", 8, 8, GrantAccess::ATOMIC).unwrap(), 4104);
+        let e = r.check("ATOMIC", 4, 8, GrantAccess::ATOMIC).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert!(GrantAccess::READ.contains(GrantAccess::default()));
+        assert!(!GrantAccess::READ.contains(GrantAccess::WRITE));
+        assert!(GrantAccess::default().is_empty());
+    }
+}

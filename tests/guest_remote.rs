@@ -1,0 +1,278 @@
+//! Guest tests of remote memory (`tokio_rdma::remote`) on rxe0: grants,
+//! one-sided READ/WRITE and atomics between two message endpoints of one
+//! process (needs the Soft-RoCE guest: `integration/softroce run -- ...`).
+//! Fails, never skips, without a device.
+//!
+//! Compiled only with `--cfg tokio_rdma_guest` (`scripts/test` sets it).
+#![cfg(tokio_rdma_guest)]
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_rdma::remote::{GrantAccess, LocalRegion, RemoteRegion};
+use tokio_rdma::{Error, MessageConfig, MessageEndpoint, MessageListener};
+
+#[path = "../examples/shared/pattern.rs"]
+#[allow(dead_code)]
+mod shared;
+
+const IP: &str = "10.11.0.1";
+const MIB: usize = 1024 * 1024;
+
+async fn pair() -> (MessageEndpoint, MessageEndpoint) {
+    let cfg = MessageConfig::new();
+    let listener = MessageListener::bind_with(format!("{IP}:0"), &cfg)
+        .await
+        .expect("bind on rxe0's address");
+    let addr = listener.local_addr().unwrap();
+    let (c, s) = tokio::join!(MessageEndpoint::connect_with(addr, &cfg), listener.accept());
+    (c.expect("connect"), s.expect("accept").0)
+}
+
+/// A region of `len` bytes of `ep`'s pool filled with pattern `seed`.
+async fn region(ep: &MessageEndpoint, len: usize, seed: u64) -> LocalRegion {
+    let buf = ep.pool().alloc_any(len).await.expect("pool buffer");
+    let r = LocalRegion::new(buf);
+    r.write_at(0, &shared::pattern_vec(seed, r.len())).unwrap();
+    r
+}
+
+fn remote_error_status(e: &io::Error) -> Option<u32> {
+    match Error::from_io(e) {
+        Some(Error::RemoteAccess { status, .. }) => Some(*status),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_and_writes_move_exact_bytes_at_unaligned_offsets() {
+    let (client, server) = pair().await;
+    let size = 16 * MIB + 4096;
+    let reg = region(&server, size, 1).await;
+    let grant = server
+        .grant(&reg, 3..size - 5, GrantAccess::READ | GrantAccess::WRITE)
+        .await
+        .expect("grant");
+    let remote = RemoteRegion::decode(&grant.remote().encode()).unwrap();
+    assert_eq!(remote, grant.remote());
+    assert_eq!(remote.len(), (size - 8) as u64);
+    assert_eq!(remote.addr(), reg.addr() + 3);
+    let whole = shared::pattern_vec(1, reg.len());
+    for (offset, len) in [
+        (0usize, 1usize),
+        (1, 7),
+        (4093, 4099),
+        (12345, MIB + 3),
+        (5, 16 * MIB),
+    ] {
+        let got = client
+            .read(&remote, offset as u64, len)
+            .await
+            .expect("READ");
+        assert_eq!(got.len(), len);
+        assert!(
+            got[..] == whole[3 + offset..3 + offset + len],
+            "READ of {len} at {offset}"
+        );
+    }
+    for (offset, len, seed) in [
+        (0usize, 1usize, 10u64),
+        (9, 4097, 11),
+        (777, 2 * MIB + 1, 12),
+    ] {
+        let data = shared::pattern_vec(seed, len);
+        client
+            .write(&remote, offset as u64, &data)
+            .await
+            .expect("WRITE");
+        let mut back = vec![0u8; len];
+        reg.read_at(3 + offset, &mut back).unwrap();
+        assert!(back == data, "WRITE of {len} at {offset} landed");
+        // Bytes around it unchanged.
+        let mut edge = [0u8; 1];
+        reg.read_at(3 + offset + len, &mut edge).unwrap();
+        assert_eq!(edge[0], whole[3 + offset + len]);
+    }
+    assert_eq!(server.grants(), 1);
+    grant.revoke().await.expect("revoke");
+    assert_eq!(server.grants(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_add_from_eight_tasks_sums_exactly_and_a_cas_lock_excludes() {
+    let (client, server) = pair().await;
+    let reg = region(&server, 4096, 2).await;
+    reg.write_at(0, &[0u8; 16]).unwrap();
+    let grant = server
+        .grant(&reg, 0..16, GrantAccess::ATOMIC)
+        .await
+        .unwrap();
+    let remote = grant.remote();
+    let client = Arc::new(client);
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let c = Arc::clone(&client);
+        tasks.push(tokio::spawn(async move {
+            let mut seen = Vec::with_capacity(1000);
+            for _ in 0..1000 {
+                seen.push(c.fetch_add(&remote, 0, 1).await.expect("fetch_add"));
+            }
+            seen
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all.sort_unstable();
+    assert_eq!(all, (0..8000).collect::<Vec<u64>>(), "each value once");
+    assert_eq!(reg.load_u64(0).unwrap(), 8000);
+    // A lock word at 8 taken and released with compare-and-swap by two
+    // tasks, each incrementing a counter (READ, then WRITE) under it.
+    let counter_reg = region(&server, 4096, 3).await;
+    counter_reg.write_at(0, &0u64.to_ne_bytes()).unwrap();
+    let counter = server
+        .grant(&counter_reg, 0..8, GrantAccess::READ | GrantAccess::WRITE)
+        .await
+        .unwrap();
+    let counter_remote = counter.remote();
+    let mut tasks = Vec::new();
+    for me in 1..=2u64 {
+        let c = Arc::clone(&client);
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..300 {
+                while c.compare_swap(&remote, 8, 0, me).await.unwrap() != 0 {
+                    tokio::task::yield_now().await;
+                }
+                let v = c.read(&counter_remote, 0, 8).await.unwrap();
+                let v = u64::from_ne_bytes(v[..].try_into().unwrap());
+                c.write(&counter_remote, 0, &(v + 1).to_ne_bytes())
+                    .await
+                    .unwrap();
+                assert_eq!(c.compare_swap(&remote, 8, me, 0).await.unwrap(), me);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(counter_reg.load_u64(0).unwrap(), 600);
+    assert_eq!(reg.load_u64(8).unwrap(), 0, "the lock is free");
+    drop(grant);
+    drop(counter);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_ranges_fail_locally_and_refused_keys_fail_typed() {
+    let (client, server) = pair().await;
+    let reg = region(&server, 8192, 4).await;
+    let grant = server
+        .grant(&reg, 0..4096, GrantAccess::READ)
+        .await
+        .unwrap();
+    let remote = grant.remote();
+    // Checked before posting: out of range, an access not granted,
+    // misaligned atomics.
+    let e = client.read(&remote, 4000, 100).await.unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    let e = client.write(&remote, 0, b"x").await.unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    let e = client.fetch_add(&remote, 0, 1).await.unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    let e = server
+        .grant(&reg, 0..8193, GrantAccess::READ)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    // The endpoint is still healthy after local refusals.
+    let got = client.read(&remote, 0, 16).await.unwrap();
+    assert_eq!(got[..], shared::pattern_vec(4, 16)[..]);
+    // A forged wire form claiming WRITE on a read-only grant: the
+    // granting NIC refuses it, and nothing is written.
+    let mut forged = remote.encode();
+    forged[1] |= 2;
+    let forged = RemoteRegion::decode(&forged).unwrap();
+    let e = client.write(&forged, 0, &[0xEE; 64]).await.unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+    assert_eq!(remote_error_status(&e), Some(10), "REM_ACCESS_ERR: {e}");
+    let mut head = [0u8; 64];
+    reg.read_at(0, &mut head).unwrap();
+    assert_eq!(head[..], shared::pattern_vec(4, 64)[..], "nothing written");
+    // An RC QP is in the error state after a remote access error: the
+    // endpoint failed with it.
+    let e = client.read(&remote, 0, 16).await.unwrap_err();
+    assert_ne!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_grant_and_another_connections_grant_are_refused() {
+    let (client, server) = pair().await;
+    let reg = region(&server, 4096, 5).await;
+    let grant = server
+        .grant(&reg, 0..4096, GrantAccess::READ | GrantAccess::WRITE)
+        .await
+        .unwrap();
+    let remote = grant.remote();
+    assert_eq!(
+        client.read(&remote, 0, 8).await.unwrap()[..],
+        shared::pattern_vec(5, 8)[..]
+    );
+    grant.revoke().await.expect("revoked");
+    let e = client.write(&remote, 0, &[0xAB; 32]).await.unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+    let mut head = [0u8; 32];
+    reg.read_at(0, &mut head).unwrap();
+    assert_eq!(head[..], shared::pattern_vec(5, 32)[..], "nothing written");
+
+    // A grant bound on connection A, used through connection B.
+    let (a_client, a_server) = pair().await;
+    let (b_client, _b_server) = pair().await;
+    let reg = region(&a_server, 4096, 6).await;
+    let grant = a_server
+        .grant(&reg, 0..4096, GrantAccess::READ)
+        .await
+        .unwrap();
+    let e = b_client.read(&grant.remote(), 0, 8).await.unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+    // ... and works through A.
+    let got = a_client.read(&grant.remote(), 0, 8).await.unwrap();
+    assert_eq!(got[..], shared::pattern_vec(6, 8)[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_dropped_in_flight_never_writes_into_reused_memory() {
+    let (client, server) = pair().await;
+    let size = 16 * MIB;
+    let reg = region(&server, size, 7).await;
+    let grant = server
+        .grant(&reg, 0..size, GrantAccess::READ)
+        .await
+        .unwrap();
+    let remote = grant.remote();
+    let pool = client.pool().clone();
+    for round in 0..5 {
+        let r = tokio::time::timeout(Duration::from_millis(1), client.read(&remote, 0, size)).await;
+        assert!(r.is_err(), "round {round}: the 16 MiB READ outlasts 1 ms");
+        // Refill the pool with a pattern at once: the READ's destination
+        // is still with the ledger, so none of these is it.
+        let mut bufs = Vec::new();
+        for _ in 0..4 {
+            let mut b = pool.alloc_any(size).await.unwrap();
+            b.spare_mut()[..size].fill(0x5A);
+            b.set_len(size);
+            bufs.push(b);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(
+                b.iter().all(|&x| x == 0x5A),
+                "round {round}: buffer {i} unchanged after the dropped READ"
+            );
+        }
+    }
+    // The endpoint is healthy: a whole read works.
+    let got = client.read(&remote, 0, size).await.unwrap();
+    assert!(got[..] == shared::pattern_vec(7, size)[..]);
+    assert_eq!(client.stats().buffers_held_for_nic, 0);
+}
