@@ -61,7 +61,6 @@ pub(crate) mod proto;
 pub mod remote;
 pub mod stats;
 mod stream;
-mod tasks;
 pub mod transport;
 #[allow(unsafe_code)]
 pub mod verbs;

@@ -473,7 +473,7 @@ impl Grant {
         let Some(conn) = self.conn.upgrade() else {
             return Ok(());
         };
-        let Some(wr_id) = conn.revoke_grant(self.id, false)? else {
+        let Some(wr_id) = conn.revoke_grant(self.id).await? else {
             return Ok(());
         };
         conn.wait_remote(wr_id, "memory window invalidation (revoke)")
@@ -488,9 +488,7 @@ impl Drop for Grant {
             return;
         }
         if let Some(conn) = self.conn.upgrade() {
-            // Best effort: a connection that cannot post the invalidation
-            // has failed, and its windows die with its QP.
-            let _ = conn.revoke_grant(self.id, true);
+            conn.revoke_dropped_grant(self.id);
         }
     }
 }

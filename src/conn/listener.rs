@@ -118,7 +118,7 @@ async fn listen_loop<S: Setup>(
     tx: Incoming<S::Out>,
     slots: Arc<Semaphore>,
 ) {
-    let _own = crate::tasks::OwnTask::new();
+    let _own = crate::verbs::tasks::OwnTask::new();
     let mut handshakes = JoinSet::new();
     loop {
         tokio::select! {

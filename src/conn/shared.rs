@@ -439,7 +439,7 @@ async fn drive<D: Driven>(
     keepalive: Option<Duration>,
 ) {
     debug!("connection established");
-    let _own = crate::tasks::OwnTask::new();
+    let _own = crate::verbs::tasks::OwnTask::new();
     let cq_events = shared.lock().qp().cq_events();
     // A CQ with a channel of its own: events a parked reader takes can be
     // left to it (see `Delegation`).

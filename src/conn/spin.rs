@@ -180,7 +180,7 @@ impl SpinBudget {
 
     /// A wait answered while spinning on a runtime that has other tasks
     /// besides the crate's own and the waiting task
-    /// ([`crate::tasks::other_tasks_on_runtime`]): the next wait spins
+    /// ([`crate::verbs::tasks::other_tasks_on_runtime`]): the next wait spins
     /// about twice this one, not the limit, since a longer spin holds up
     /// tasks that the answer may wait for.
     pub(crate) fn record_spun_shared(&mut self, waited: Duration) {
@@ -564,7 +564,7 @@ impl SpinWait {
                 let waited = now.saturating_duration_since(w.start);
                 if w.contended {
                     self.learnt.record_contended(waited);
-                } else if !w.parked && crate::tasks::other_tasks_on_runtime() {
+                } else if !w.parked && crate::verbs::tasks::other_tasks_on_runtime() {
                     self.learnt.record_spun_shared(waited);
                 } else {
                     self.learnt.record(waited, w.parked);
@@ -712,7 +712,7 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn other_tasks_count_and_the_crates_own_do_not() {
-        use crate::tasks::{OwnTask, other_tasks_on_runtime};
+        use crate::verbs::tasks::{OwnTask, other_tasks_on_runtime};
         assert!(!other_tasks_on_runtime(), "no task yet");
         let own = OwnTask::new();
         let task = tokio::spawn(std::future::pending::<()>());
@@ -732,7 +732,7 @@ mod tests {
 
     #[test]
     fn outside_a_runtime_no_other_tasks() {
-        assert!(!crate::tasks::other_tasks_on_runtime());
+        assert!(!crate::verbs::tasks::other_tasks_on_runtime());
     }
 
     #[test]

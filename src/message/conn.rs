@@ -35,8 +35,7 @@ use crate::verbs::rc::{
 
 use super::qp::RemoteWr;
 
-const WC_SUCCESS: u32 = 0;
-const WC_WR_FLUSH_ERR: u32 = 5;
+use crate::verbs::rc::{WC_SUCCESS, WC_WR_FLUSH_ERR};
 
 /// Messages fed through `Sink::start_send` are posted together once this
 /// many are queued (or at `poll_flush`).
@@ -1124,23 +1123,43 @@ impl MsgConn {
         .await
     }
 
-    /// Posts the revocation of grant `grant`; `None` when there is nothing
-    /// to wait for (its window is gone, or the endpoint failed or closed,
-    /// and its QP with it).
-    pub(crate) fn revoke_grant(&self, grant: u64, abandoned: bool) -> io::Result<Option<u64>> {
+    /// Posts the revocation of a dropped grant (queued while every remote
+    /// slot is taken); nothing when the endpoint failed or closed (its
+    /// QP's windows die with it).
+    pub(crate) fn revoke_dropped_grant(&self, grant: u64) {
         let mut st = self.lock();
         if Self::remote_dead(&st).is_some() {
-            return Ok(None);
+            return;
         }
-        let id = st
-            .qp
-            .revoke_grant(grant, abandoned)
-            .map_err(io::Error::from)?;
+        // A failed post means a failed QP, whose windows die with it.
+        let _ = st.qp.revoke_grant(grant, true);
         st.widen_arm();
         self.ensure_tick(&st);
         drop(st);
         self.nudge();
-        Ok(id)
+    }
+
+    /// Waits for a remote slot, then posts the revocation of grant
+    /// `grant`; `None` when there is nothing to wait for (its window is
+    /// gone, or the endpoint failed or closed, and its QP with it).
+    pub(crate) async fn revoke_grant(&self, grant: u64) -> io::Result<Option<u64>> {
+        std::future::poll_fn(|cx| {
+            let mut st = self.lock();
+            st.drain();
+            if Self::remote_dead(&st).is_some() {
+                return Poll::Ready(Ok(None));
+            }
+            if st.qp.poll_remote_slot(cx).is_pending() {
+                st.widen_arm();
+                self.ensure_tick(&st);
+                return Poll::Pending;
+            }
+            let id = st.qp.revoke_grant(grant, false).map_err(io::Error::from)?;
+            st.widen_arm();
+            self.ensure_tick(&st);
+            Poll::Ready(Ok(id))
+        })
+        .await
     }
 
     /// Grants whose window is bound now.

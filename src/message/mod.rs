@@ -366,13 +366,12 @@ impl Setup for MessageSetup {
             // Beyond the core's WRs: a window bind per rendezvous announced
             // and an invalidation per rendezvous done, neither counted by
             // the core (unsignaled binds retire with the next signaled WR);
-            // remote-memory operations and grant binds (REMOTE_SLOTS at
-            // once), and a revocation per grant (MAX_GRANTS).
+            // remote-memory operations, grant binds and revocations
+            // (REMOTE_SLOTS at once; more wait, or queue).
             send_depth: u32::from(r.send_queue_depth)
                 + 2 * u32::from(self.0.max_rendezvous_in_flight)
                 + 4
-                + u32::from(REMOTE_SLOTS)
-                + qp::MAX_GRANTS as u32,
+                + u32::from(REMOTE_SLOTS),
             recv_depth: r.recv_queue_depth.into(),
             max_inline: r.inline_threshold,
             // RTS headers (20 bytes) go inline unless inline_threshold is

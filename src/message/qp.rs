@@ -87,6 +87,9 @@ pub(crate) struct MessageQp {
     next_remote: u64,
     /// Tasks waiting for a remote slot.
     remote_waiters: Vec<Waker>,
+    /// Grants dropped while every remote slot was taken: revoked as slots
+    /// free up.
+    pending_revokes: Vec<u64>,
     #[cfg(tokio_rdma_guest)]
     last_sge: Option<PostedSge>,
 }
@@ -203,6 +206,7 @@ impl MessageQp {
             grant_regions: HashMap::new(),
             next_remote: 0,
             remote_waiters: Vec::new(),
+            pending_revokes: Vec::new(),
             #[cfg(tokio_rdma_guest)]
             last_sge: None,
         }
@@ -640,7 +644,16 @@ impl MessageQp {
         Poll::Pending
     }
 
+    /// A remote slot freed: revocations of dropped grants waiting for
+    /// one go first, then the waiting tasks are woken.
     fn remote_slot_freed(&mut self) {
+        while self.remote.len() < usize::from(REMOTE_SLOTS) {
+            let Some(grant) = self.pending_revokes.pop() else {
+                break;
+            };
+            // A failed post means a failed QP, whose windows die with it.
+            let _ = self.revoke_grant(grant, true);
+        }
         for w in self.remote_waiters.drain(..) {
             w.wake();
         }
@@ -899,7 +912,10 @@ impl MessageQp {
 
     /// Posts the invalidation of grant `grant`'s window (signaled) and
     /// returns its wr_id; `None` when the grant's window is already gone.
-    /// With `abandoned`, nobody waits for it (a dropped `Grant`).
+    /// With `abandoned`, nobody waits for it (a dropped `Grant`): with
+    /// every remote slot taken it is queued and posted when one frees
+    /// (`None` then too). A caller that waits takes a slot first
+    /// ([`poll_remote_slot`](Self::poll_remote_slot)).
     ///
     /// # Errors
     /// [`Error::Verbs`] if the LOCAL_INV cannot be posted.
@@ -907,6 +923,12 @@ impl MessageQp {
         let Some(window) = self.grant_windows.get(&grant) else {
             return Ok(None);
         };
+        if abandoned && self.remote.len() >= usize::from(REMOTE_SLOTS) {
+            if !self.pending_revokes.contains(&grant) {
+                self.pending_revokes.push(grant);
+            }
+            return Ok(None);
+        }
         let rkey = window.rkey();
         let wr_id = self.remote_wr_id();
         self.qp.post_local_inv(wr_id, rkey, true)?;

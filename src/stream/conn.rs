@@ -34,9 +34,7 @@ use crate::verbs::rc::{
     RegisteredBuffer, RingIsolation, WcKind,
 };
 
-/// `ibv_wc_status` values the stream distinguishes.
-const WC_SUCCESS: u32 = 0;
-const WC_WR_FLUSH_ERR: u32 = 5;
+use crate::verbs::rc::{WC_SUCCESS, WC_WR_FLUSH_ERR};
 
 /// A stream connection: the core's shared connection around a
 /// [`StreamState`].

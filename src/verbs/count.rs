@@ -6,7 +6,78 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::stats::ResourceSnapshot;
+/// The verbs and rdma_cm objects this process holds through tokio-rdma
+/// right now, from [`resources`](crate::stats::resources): every connection, listener, memory pool
+/// and device it opened, all devices together.
+///
+/// A stream connection holds one QP, one CQ, one rdma_cm id, its receive
+/// ring's memory region and memory window, and a send buffer's memory
+/// region while it has unsent data (see the README's design notes); no
+/// file descriptor of its own (see `shared_event_channels`). Each opened
+/// device holds one PD for the process.
+/// Compare with the device's limits (`ibv_devinfo -v`: `max_qp`, `max_cq`,
+/// `max_mr`, `max_mw`) and with `RLIMIT_MEMLOCK` (`ulimit -l`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct ResourceSnapshot {
+    /// Queue pairs (`ibv_create_qp`).
+    pub queue_pairs: u64,
+    /// Completion queues (`ibv_create_cq`): one of its own per connection
+    /// end, plus the shared ones (`shared_completion_queues`) that
+    /// connections with `RdmaConfig::share_completion_queue` (and any
+    /// connection once the process holds half the device's `max_cq` CQs of
+    /// their own) take a seat on.
+    pub completion_queues: u64,
+    /// Completion channels (`ibv_create_comp_channel`; one fd each) held
+    /// by connections: one per connection end with a CQ of its own among
+    /// the first 64 live ones of the process (at most a sixteenth of
+    /// `RLIMIT_NOFILE`). Every other CQ reports to its tokio runtime's
+    /// completion channel for the device, counted in
+    /// `shared_event_channels`.
+    pub completion_channels: u64,
+    /// Memory regions (`ibv_reg_mr`): receive rings, send buffers, pool
+    /// slabs, registered user regions.
+    pub memory_regions: u64,
+    /// Bytes of all those memory regions (the lengths passed to
+    /// `ibv_reg_mr`; the kernel pins whole pages, so at most 4095 bytes
+    /// more per region).
+    pub registered_bytes: u64,
+    /// Type-2 memory windows (`ibv_alloc_mw`).
+    pub memory_windows: u64,
+    /// Protection domains (`ibv_alloc_pd`): one per opened device, plus one
+    /// per stream on a device without memory windows.
+    pub protection_domains: u64,
+    /// rdma_cm ids (`rdma_create_id`, and one per connect request a
+    /// listener received until it is accepted or rejected).
+    pub cm_ids: u64,
+    /// rdma_cm event channels (`rdma_create_event_channel`; one fd each)
+    /// of listeners, one per listener. Connections hold none: their events
+    /// go to one channel the whole process shares (counted in
+    /// `shared_event_channels`).
+    pub cm_event_channels: u64,
+    /// Idle stream send buffers each opened device keeps registered for
+    /// the next stream with data to send (included in `memory_regions` and
+    /// `registered_bytes`; at most 4 MiB per device).
+    pub idle_send_buffers: u64,
+    /// Bytes of those idle send buffers (included in `registered_bytes`):
+    /// a buffer is `send_buffer_size` long, or longer when its stream's
+    /// send buffer had grown to the peer's ring.
+    pub idle_send_buffer_bytes: u64,
+    /// Event channels shared by connections (one fd each): the process's
+    /// rdma_cm event channel (read by the `tokio-rdma-cm` thread, created
+    /// on the first connect or accept, kept until the process exits), and
+    /// one completion channel per tokio runtime and device (read by a task
+    /// on that runtime, created with the runtime's first connection there,
+    /// kept while the runtime or any CQ on it lives). They do not grow with
+    /// the number of connections.
+    pub shared_event_channels: u64,
+    /// CQs shared by connections (included in `completion_queues`): each
+    /// holds up to 16,384 entries (the device's `max_cqe` if smaller) and
+    /// seats the QPs whose send plus receive depth, plus 16, fit in them:
+    /// 60 stream ends with the default depths (129 + 128), 53 message
+    /// endpoints. One is destroyed when the last connection on it closes.
+    pub shared_completion_queues: u64,
+}
 
 /// The kinds of verbs and rdma_cm objects counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

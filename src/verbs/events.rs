@@ -1096,7 +1096,7 @@ impl Drop for AliveGuard {
 
 /// The hub's task: drain on every readiness of the channel.
 async fn dispatch(hub: Arc<CqHub>) {
-    let _own = crate::tasks::OwnTask::new();
+    let _own = crate::verbs::tasks::OwnTask::new();
     let guard = AliveGuard(hub);
     let hub = &guard.0;
     loop {

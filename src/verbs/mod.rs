@@ -36,6 +36,7 @@ pub(crate) mod ledger;
 #[allow(unsafe_code)]
 pub(crate) mod mw;
 pub(crate) mod rc;
+pub(crate) mod tasks;
 
 pub use device::{
     Device, DeviceAddress, Gid, GidType, LinkLayer, Port, PortState, devices, select_device,

@@ -562,6 +562,12 @@ pub(crate) enum SendOp<'a> {
 /// core.
 pub(crate) const REMOTE_WR_FLAG: u64 = 1 << 60;
 
+/// `IBV_WC_SUCCESS`: a completion without error.
+pub(crate) const WC_SUCCESS: u32 = 0;
+/// `IBV_WC_WR_FLUSH_ERR`: a WR flushed because its QP is in the error
+/// state (the NIC no longer touches its memory).
+pub(crate) const WC_WR_FLUSH_ERR: u32 = 5;
+
 /// Receive WRs carry this wr_id bit so send and receive completions are
 /// told apart even on providers that report odd opcodes on errors.
 pub(crate) const RECV_WR_FLAG: u64 = 1 << 63;

@@ -1,5 +1,7 @@
 //! The crate's own background tasks, counted, so that a waiting task can
 //! tell whether its runtime has other work that a long spin would hold up.
+//! At the bottom with the verbs layer, whose completion-channel
+//! dispatchers are such tasks too; it imports nothing of the crate.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

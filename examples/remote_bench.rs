@@ -1,0 +1,399 @@
+//! Remote-memory benchmark: one-sided RDMA READ, WRITE and fetch-and-add
+//! through a `MessageEndpoint` against a grant of a server in another
+//! process, next to perftest on the same device in the same run
+//! (`ib_read_lat`, `ib_atomic_lat`, `ib_read_bw`, `ib_write_bw`), printed
+//! as ratios, on both tokio runtime flavours.
+//!
+//! ```text
+//! remote_bench --addr 10.11.0.1 [--device rxe0] [--gid-index 1] [--iters 2000] [--bytes 32MiB]
+//! ```
+//!
+//! Latency: `--iters` sequential 8 B READs and fetch-and-adds (p50, mean,
+//! p99 in microseconds; perftest's READ and atomic latencies are whole
+//! round trips, like ours). Bandwidth: `--bytes` in 64 KiB operations with
+//! 16 in flight (the endpoint's remote slots), in 10^6 bytes/s, against
+//! perftest's 64 KiB runs of the same count. CPU: the client process's
+//! CPU time per operation (10 ms ticks of /proc/self/stat); the server's
+//! CPU time while serving is printed by the server.
+
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, SocketAddr};
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+use clap::Parser;
+use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
+use hdrhistogram::Histogram;
+use tokio_rdma::remote::{GrantAccess, LocalRegion, RemoteRegion};
+use tokio_rdma::{MessageEndpoint, MessageListener};
+
+#[path = "shared/cpu.rs"]
+mod cpu;
+#[path = "shared/pattern.rs"]
+#[allow(dead_code)]
+mod pattern;
+#[path = "shared/perftest.rs"]
+#[allow(dead_code)]
+mod perftest;
+
+/// Bytes of one bandwidth operation.
+const OP: usize = 64 * 1024;
+/// Operations in flight for bandwidth (the endpoint's remote slots).
+const IN_FLIGHT: usize = 16;
+
+#[derive(Parser)]
+#[command(about = "One-sided RDMA READ/WRITE/atomics vs perftest")]
+struct Args {
+    /// The RDMA device's IP address.
+    #[arg(long)]
+    addr: IpAddr,
+    /// The device perftest runs on.
+    #[arg(long, default_value = "rxe0")]
+    device: String,
+    /// perftest's GID index (`-x`).
+    #[arg(long, default_value_t = 1)]
+    gid_index: u32,
+    /// Sequential operations per latency run.
+    #[arg(long, default_value_t = 2000)]
+    iters: u64,
+    /// Bytes per bandwidth run.
+    #[arg(long, default_value = "32MiB", value_parser = pattern::parse_size)]
+    bytes: u64,
+    /// Internal: run the granting server on this address.
+    #[arg(long, hide = true)]
+    serve: Option<SocketAddr>,
+}
+
+/// The granting side: one region of `IN_FLIGHT` x 64 KiB, READ, WRITE and
+/// atomics, until the client closes.
+async fn serve(addr: SocketAddr) -> Result<(), String> {
+    let listener = MessageListener::bind(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    println!(
+        "listening on {}",
+        listener.local_addr().map_err(|e| e.to_string())?
+    );
+    let (ep, _) = listener.accept().await.map_err(|e| e.to_string())?;
+    let len = IN_FLIGHT * OP;
+    let region = LocalRegion::new(ep.pool().alloc_any(len).await.map_err(|e| e.to_string())?);
+    region
+        .write_at(0, &pattern::pattern_vec(1, len))
+        .map_err(|e| e.to_string())?;
+    let access = GrantAccess::READ | GrantAccess::WRITE | GrantAccess::ATOMIC;
+    let grant = ep
+        .grant(&region, 0..len, access)
+        .await
+        .map_err(|e| e.to_string())?;
+    let cpu0 = cpu::cpu_us();
+    let t0 = Instant::now();
+    ep.send_copy(&grant.remote().encode())
+        .await
+        .map_err(|e| e.to_string())?;
+    let _ = ep.recv().await;
+    println!(
+        "server: CPU {:.3} s while serving {:.1} s of one-sided operations",
+        (cpu::cpu_us() - cpu0) as f64 / 1e6,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+struct Lat {
+    p50: f64,
+    mean: f64,
+    p99: f64,
+    cpu_us: f64,
+}
+
+fn lat_of(h: &Histogram<u64>, cpu: u64, n: u64) -> Lat {
+    Lat {
+        p50: h.value_at_quantile(0.5) as f64 / 1e3,
+        mean: h.mean() / 1e3,
+        p99: h.value_at_quantile(0.99) as f64 / 1e3,
+        cpu_us: cpu as f64 / n.max(1) as f64,
+    }
+}
+
+struct Bw {
+    mb_s: f64,
+    cpu_us: f64,
+}
+
+struct Figures {
+    read_lat: Lat,
+    fadd_lat: Lat,
+    read_bw: Bw,
+    write_bw: Bw,
+}
+
+async fn measure(
+    ep: &MessageEndpoint,
+    remote: &RemoteRegion,
+    iters: u64,
+    bytes: u64,
+) -> Result<Figures, String> {
+    let e = |e: std::io::Error| e.to_string();
+    // Warm-up.
+    for _ in 0..100 {
+        ep.read(remote, 0, 8).await.map_err(e)?;
+    }
+    let mut h = Histogram::<u64>::new(3).expect("histogram");
+    let cpu0 = cpu::cpu_us();
+    for i in 0..iters {
+        let t = Instant::now();
+        ep.read(remote, (i % 512) * 8, 8).await.map_err(e)?;
+        h.record(t.elapsed().as_nanos() as u64).ok();
+    }
+    let read_lat = lat_of(&h, cpu::cpu_us() - cpu0, iters);
+    let mut h = Histogram::<u64>::new(3).expect("histogram");
+    let cpu0 = cpu::cpu_us();
+    for _ in 0..iters {
+        let t = Instant::now();
+        ep.fetch_add(remote, 0, 1).await.map_err(e)?;
+        h.record(t.elapsed().as_nanos() as u64).ok();
+    }
+    let fadd_lat = lat_of(&h, cpu::cpu_us() - cpu0, iters);
+    let ops = (bytes as usize).div_ceil(OP);
+    let data = pattern::pattern_vec(2, OP);
+    let mut bws = Vec::new();
+    for write in [false, true] {
+        let cpu0 = cpu::cpu_us();
+        let t0 = Instant::now();
+        let mut inflight = FuturesUnordered::new();
+        let mut next = 0usize;
+        let mut done = 0usize;
+        while done < ops {
+            while next < ops && inflight.len() < IN_FLIGHT {
+                let off = ((next % IN_FLIGHT) * OP) as u64;
+                let data = &data;
+                inflight.push(async move {
+                    if write {
+                        ep.write(remote, off, data).await.map(|_| OP)
+                    } else {
+                        ep.read(remote, off, OP).await.map(|b| b.len())
+                    }
+                });
+                next += 1;
+            }
+            let n = inflight.next().await.expect("in flight").map_err(e)?;
+            if n != OP {
+                return Err(format!("operation moved {n} bytes"));
+            }
+            done += 1;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        bws.push(Bw {
+            mb_s: (ops * OP) as f64 / secs / 1e6,
+            cpu_us: (cpu::cpu_us() - cpu0) as f64 / ops as f64,
+        });
+    }
+    let write_bw = bws.pop().expect("two runs");
+    let read_bw = bws.pop().expect("two runs");
+    Ok(Figures {
+        read_lat,
+        fadd_lat,
+        read_bw,
+        write_bw,
+    })
+}
+
+/// Starts the server in a child process and runs `measure` against it on
+/// a runtime of `flavour`.
+fn run_flavour(args: &Args, multi: bool) -> Result<Figures, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = Command::new(exe)
+        .args([
+            "--addr",
+            &args.addr.to_string(),
+            "--serve",
+            &format!("{}:0", args.addr),
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+    let bound: SocketAddr = match lines.next() {
+        Some(Ok(l)) if l.starts_with("listening on ") => l["listening on ".len()..]
+            .parse()
+            .map_err(|e| format!("{l:?}: {e}"))?,
+        other => return Err(format!("server did not come up: {other:?}")),
+    };
+    let rt = if multi {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    }
+    .map_err(|e| e.to_string())?;
+    let figures = rt.block_on(async {
+        let ep = MessageEndpoint::connect(bound)
+            .await
+            .map_err(|e| e.to_string())?;
+        let hello = ep
+            .recv()
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("no grant")?;
+        let remote = RemoteRegion::decode(&hello).map_err(|e| e.to_string())?;
+        let f = measure(&ep, &remote, args.iters, args.bytes).await;
+        ep.close().await.map_err(|e| e.to_string())?;
+        f
+    });
+    for l in lines.map_while(Result::ok) {
+        println!(
+            "  ({}) {l}",
+            if multi {
+                "multi-thread"
+            } else {
+                "current_thread"
+            }
+        );
+    }
+    let _ = child.wait();
+    figures
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Some(addr) = args.serve {
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        return match rt.block_on(serve(addr)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("remote_bench server: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let mut rows = Vec::new();
+    for multi in [false, true] {
+        match run_flavour(&args, multi) {
+            Ok(f) => rows.push((multi, f)),
+            Err(e) => {
+                eprintln!("remote_bench: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    // perftest on the same device, same run.
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let common = vec![
+        "-d".to_string(),
+        args.device.clone(),
+        "-x".into(),
+        args.gid_index.to_string(),
+        "-F".into(),
+    ];
+    let with = |extra: &[&str]| {
+        let mut v = common.clone();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let iters = args.iters.to_string();
+    let ops = (args.bytes as usize).div_ceil(OP).to_string();
+    let (read_lat, atomic_lat, read_bw, write_bw) = rt.block_on(async {
+        let read_lat = perftest::run(
+            "ib_read_lat",
+            &with(&["-s", "8", "-n", &iters]),
+            args.addr,
+            18620,
+        )
+        .await
+        .and_then(|o| perftest::row(&o));
+        let atomic_lat = perftest::run("ib_atomic_lat", &with(&["-n", &iters]), args.addr, 18621)
+            .await
+            .and_then(|o| perftest::row(&o));
+        let read_bw = perftest::run(
+            "ib_read_bw",
+            &with(&["-s", "65536", "-n", &ops]),
+            args.addr,
+            18622,
+        )
+        .await
+        .and_then(|o| perftest::bw_mb_per_s(&o));
+        let write_bw = perftest::run(
+            "ib_write_bw",
+            &with(&["-s", "65536", "-n", &ops]),
+            args.addr,
+            18623,
+        )
+        .await
+        .and_then(|o| perftest::bw_mb_per_s(&o));
+        (read_lat, atomic_lat, read_bw, write_bw)
+    });
+    // Latency rows: #bytes #iter t_min t_max t_typical t_avg t_stdev 99% 99.9%.
+    let col = |r: &Option<Vec<f64>>, i: usize| r.as_ref().and_then(|v| v.get(i).copied());
+    println!("remote memory vs perftest (same device, same run; ratios: ours / perftest)");
+    println!();
+    println!(
+        "latency, us            runtime          p50    mean     p99   CPU us/op   mean ratio"
+    );
+    for (name, r) in [
+        ("ib_read_lat -s 8", &read_lat),
+        ("ib_atomic_lat", &atomic_lat),
+    ] {
+        match (col(r, 4), col(r, 5), col(r, 7)) {
+            (Some(p50), Some(mean), Some(p99)) => println!(
+                "  {name:<20} {:<14} {p50:>7.1} {mean:>7.1} {p99:>7.1}          -       1.00",
+                "(raw verbs)"
+            ),
+            _ => println!("  {name:<20} (perftest failed)"),
+        }
+    }
+    for (multi, f) in &rows {
+        let rt = if *multi {
+            "multi-thread"
+        } else {
+            "current_thread"
+        };
+        for (name, l, reference) in [
+            ("READ 8 B", &f.read_lat, col(&read_lat, 5)),
+            ("fetch-and-add", &f.fadd_lat, col(&atomic_lat, 5)),
+        ] {
+            println!(
+                "  {name:<20} {rt:<14} {:>7.1} {:>7.1} {:>7.1} {:>10.1} {:>10}",
+                l.p50,
+                l.mean,
+                l.p99,
+                l.cpu_us,
+                perftest::ratio(l.mean, reference)
+            );
+        }
+    }
+    println!();
+    println!("bandwidth, 64 KiB ops  runtime          MB/s   CPU us/op   ratio");
+    for (name, r) in [("ib_read_bw", read_bw), ("ib_write_bw", write_bw)] {
+        match r {
+            Some(b) => println!(
+                "  {name:<20} {:<14} {b:>7.1}          -    1.00",
+                "(raw verbs)"
+            ),
+            None => println!("  {name:<20} (perftest failed)"),
+        }
+    }
+    for (multi, f) in &rows {
+        let rt = if *multi {
+            "multi-thread"
+        } else {
+            "current_thread"
+        };
+        for (name, b, reference) in [
+            ("READ", &f.read_bw, read_bw),
+            ("WRITE", &f.write_bw, write_bw),
+        ] {
+            println!(
+                "  {name:<20} {rt:<14} {:>7.1} {:>10.1} {:>7}",
+                b.mb_s,
+                b.cpu_us,
+                perftest::ratio(b.mb_s, reference)
+            );
+        }
+    }
+    ExitCode::SUCCESS
+}
