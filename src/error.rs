@@ -486,9 +486,11 @@ pub enum ConnectStage {
     /// (UDP port 4791). A host that is up but has no listener on the port
     /// answers at once ([`Error::ConnectionRefused`]).
     AwaitingReply,
-    /// Setting up this side's queue pair and buffers (for example waiting
-    /// for pool memory) or, once the listener answered, moving the queue
-    /// pair to ready-to-send.
+    /// Setting up this side: on the process's first connect, loading
+    /// libibverbs' providers, opening the devices and starting the rdma_cm
+    /// thread; then the queue pair and buffers (for example waiting for
+    /// pool memory) or, once the listener answered, moving the queue pair
+    /// to ready-to-send.
     LocalSetup,
     /// Passive side: the accept (CM REP) went out and the connecting side
     /// never confirmed it (CM RTU).
@@ -506,7 +508,9 @@ impl std::fmt::Display for ConnectStage {
                 "waiting for the listener's reply to the connect request (the peer host is \
                  down, partitioned away or drops RoCE traffic on UDP 4791)"
             }
-            ConnectStage::LocalSetup => "setting up the local queue pair",
+            ConnectStage::LocalSetup => {
+                "setting up this side (the devices on the first connect, the queue pair)"
+            }
             ConnectStage::AwaitingEstablished => {
                 "waiting for the client to confirm the accept (CM RTU)"
             }

@@ -44,7 +44,7 @@ impl<S: Setup> Listener<S> {
     }
 
     fn bind_one(addr: SocketAddr, setup: S) -> Result<Listener<S>> {
-        crate::verbs::devices()?;
+        crate::verbs::device::ensure_present()?;
         // rdma_cm binds a loopback address, but no RDMA device has one, so
         // no connect to it could ever succeed: refuse it here (an `auto://`
         // listener then serves TCP only there).

@@ -318,9 +318,23 @@ fn event_error(kind: CmEventKind, status: i32, private_data: &[u8], addr: Socket
 
 async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) -> Result<S::Out> {
     let cfg = setup.rdma();
-    // Fail fast with the foundation's typed error on hosts without RDMA.
-    crate::verbs::devices()?;
+    stage.set(ConnectStage::LocalSetup);
+    if !crate::verbs::device::known_present() {
+        // The process's first connect: fail fast with the foundation's
+        // typed error on hosts without RDMA, and load libibverbs'
+        // providers, open the devices and start the rdma_cm thread off
+        // the runtime's worker (seconds in the emulated test bed, where
+        // this once ran past the connect timeout and was reported as
+        // address resolution).
+        tokio::task::spawn_blocking(|| {
+            crate::verbs::device::ensure_present()?;
+            crate::verbs::cm::warm_shared_channel()
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("verbs initialisation task: {e}")))??;
+    }
     let mut id = CmId::new_shared()?;
+    stage.set(ConnectStage::ResolveAddress);
     id.resolve_addr(addr, cfg.resolve_timeout)
         .map_err(|e| match e {
             Error::Verbs { source, .. } => Error::Unreachable { addr, source },

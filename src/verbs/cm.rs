@@ -267,6 +267,13 @@ pub(crate) struct SharedChannel {
 /// [`crate::stats::resources`]' `shared_event_channels`.
 static SHARED: Mutex<Option<Arc<SharedChannel>>> = Mutex::new(None);
 
+/// Creates the process's shared rdma_cm channel and its thread if they do
+/// not exist yet (librdmacm's own initialisation opens every device
+/// again). Errors: those of [`SharedChannel::get`].
+pub(crate) fn warm_shared_channel() -> Result<()> {
+    SharedChannel::get().map(drop)
+}
+
 impl SharedChannel {
     /// The process's shared channel, created (with its thread) on first use.
     /// Errors: those of `rdma_create_event_channel` (for example

@@ -228,6 +228,31 @@ fn verbs_err(op: &'static str) -> impl FnOnce(Box<dyn std::error::Error + Send +
     }
 }
 
+/// A device was found before in this process ([`ensure_present`]).
+static PRESENT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Fails fast with the typed error of [`devices`] on a host without RDMA;
+/// once a device was found, returns at once. The first call loads
+/// libibverbs' providers and opens and queries every device: milliseconds
+/// on a host, seconds in the emulated test bed (whose guest reads every
+/// library over 9p), where 40 fresh processes' first connects spent
+/// 1.4-2.9 s here; each connect and bind used to pay a full enumeration
+/// (0.4-0.5 ms of a 2 ms connect in the deterministic guest).
+pub(crate) fn ensure_present() -> Result<(), Error> {
+    use std::sync::atomic::Ordering;
+    if PRESENT.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    devices()?;
+    PRESENT.store(true, Ordering::Release);
+    Ok(())
+}
+
+/// Whether [`ensure_present`] found a device before.
+pub(crate) fn known_present() -> bool {
+    PRESENT.load(std::sync::atomic::Ordering::Acquire)
+}
+
 /// Lists every RDMA device with its ports and populated GID entries.
 ///
 /// # Errors
