@@ -57,6 +57,11 @@ struct Args {
     /// Sequential operations per latency run.
     #[arg(long, default_value_t = 2000)]
     iters: u64,
+    /// perftest's latency tools sleep on CQ events (`-e`) instead of
+    /// busy polling: the reference for one vCPU (the deterministic setup),
+    /// where a busy poller steals the CPU its peer and rxe need.
+    #[arg(long)]
+    events: bool,
     /// Bytes per bandwidth run.
     #[arg(long, default_value = "32MiB", value_parser = pattern::parse_size)]
     bytes: u64,
@@ -241,7 +246,16 @@ fn run_flavour(args: &Args, multi: bool) -> Result<Figures, String> {
             .map_err(|e| e.to_string())?
             .ok_or("no grant")?;
         let remote = RemoteRegion::decode(&hello).map_err(|e| e.to_string())?;
-        let f = measure(&ep, &remote, args.iters, args.bytes).await;
+        // In a spawned task, as a service's handler runs (on the
+        // multi-thread runtime `block_on`'s thread is not a worker: every
+        // wake-up would be a hop to another thread).
+        let (iters, bytes) = (args.iters, args.bytes);
+        let (ep, f) = tokio::spawn(async move {
+            let f = measure(&ep, &remote, iters, bytes).await;
+            (ep, f)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
         ep.close().await.map_err(|e| e.to_string())?;
         f
     });
@@ -296,19 +310,25 @@ fn main() -> ExitCode {
         v
     };
     let iters = args.iters.to_string();
+    let ev: &[&str] = if args.events { &["-e"] } else { &[] };
     let ops = (args.bytes as usize).div_ceil(OP).to_string();
     let (read_lat, atomic_lat, read_bw, write_bw) = rt.block_on(async {
         let read_lat = perftest::run(
             "ib_read_lat",
-            &with(&["-s", "8", "-n", &iters]),
+            &with(&[&["-s", "8", "-n", &iters][..], ev].concat()),
             args.addr,
             18620,
         )
         .await
         .and_then(|o| perftest::row(&o));
-        let atomic_lat = perftest::run("ib_atomic_lat", &with(&["-n", &iters]), args.addr, 18621)
-            .await
-            .and_then(|o| perftest::row(&o));
+        let atomic_lat = perftest::run(
+            "ib_atomic_lat",
+            &with(&[&["-n", &iters][..], ev].concat()),
+            args.addr,
+            18621,
+        )
+        .await
+        .and_then(|o| perftest::row(&o));
         let read_bw = perftest::run(
             "ib_read_bw",
             &with(&["-s", "65536", "-n", &ops]),
@@ -334,9 +354,10 @@ fn main() -> ExitCode {
     println!(
         "latency, us            runtime          p50    mean     p99   CPU us/op   mean ratio"
     );
+    let e = if args.events { " -e" } else { "" };
     for (name, r) in [
-        ("ib_read_lat -s 8", &read_lat),
-        ("ib_atomic_lat", &atomic_lat),
+        (format!("ib_read_lat -s 8{e}"), &read_lat),
+        (format!("ib_atomic_lat{e}"), &atomic_lat),
     ] {
         match (col(r, 4), col(r, 5), col(r, 7)) {
             (Some(p50), Some(mean), Some(p99)) => println!(
