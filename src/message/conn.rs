@@ -1062,11 +1062,14 @@ impl MsgConn {
         (st.peer_closed || st.closing).then(|| Error::PeerClosed.into())
     }
 
-    /// Waits for a remote slot, then posts `wr` with `local` (in the same
-    /// lock hold); returns the wr_id to [`wait_remote`](Self::wait_remote)
-    /// on.
-    pub(crate) async fn start_remote(&self, wr: RemoteWr, local: PoolBuf) -> io::Result<u64> {
-        let mut local = Some(local);
+    /// Waits for a remote slot, then runs `post` on the QP in the same lock
+    /// hold: `Err` with the endpoint's error once it failed or closed (see
+    /// [`remote_dead`](Self::remote_dead)), before or while waiting.
+    async fn with_remote_slot<T>(
+        &self,
+        post: impl FnOnce(&mut MessageQp) -> Result<T>,
+    ) -> io::Result<T> {
+        let mut post = Some(post);
         std::future::poll_fn(|cx| {
             let mut st = self.lock();
             st.drain();
@@ -1079,17 +1082,24 @@ impl MsgConn {
                 self.ensure_tick(&st);
                 return Poll::Pending;
             }
-            let Some(buf) = local.take() else {
-                return Poll::Ready(Err(
-                    Error::Internal("remote operation polled again".into()).into()
-                ));
+            let Some(post) = post.take() else {
+                return Poll::Ready(Err(Error::Internal(
+                    "remote work polled after it was posted".into(),
+                )
+                .into()));
             };
-            let id = st.qp.post_remote(wr, buf).map_err(io::Error::from)?;
+            let r = post(&mut st.qp).map_err(io::Error::from);
             st.widen_arm();
             self.ensure_tick(&st);
-            Poll::Ready(Ok(id))
+            Poll::Ready(r)
         })
         .await
+    }
+
+    /// Waits for a remote slot, then posts `wr` with `local`; returns the
+    /// wr_id to [`wait_remote`](Self::wait_remote) on.
+    pub(crate) async fn start_remote(&self, wr: RemoteWr, local: PoolBuf) -> io::Result<u64> {
+        self.with_remote_slot(|qp| qp.post_remote(wr, local)).await
     }
 
     /// Waits for a remote slot, then binds a grant's window over `len`
@@ -1102,25 +1112,8 @@ impl MsgConn {
         len: u64,
         access: GrantAccess,
     ) -> io::Result<(u64, u32)> {
-        std::future::poll_fn(|cx| {
-            let mut st = self.lock();
-            st.drain();
-            self.nudge_if_failed(&st);
-            if let Some(e) = Self::remote_dead(&st) {
-                return Poll::Ready(Err(e));
-            }
-            if st.qp.poll_remote_slot(cx).is_pending() {
-                st.widen_arm();
-                self.ensure_tick(&st);
-                return Poll::Pending;
-            }
-            let r = st.qp.bind_grant(region, offset, len, access);
-            let r = r.map_err(io::Error::from)?;
-            st.widen_arm();
-            self.ensure_tick(&st);
-            Poll::Ready(Ok(r))
-        })
-        .await
+        self.with_remote_slot(|qp| qp.bind_grant(region, offset, len, access))
+            .await
     }
 
     /// Posts the revocation of a dropped grant (queued while every remote
@@ -1143,23 +1136,17 @@ impl MsgConn {
     /// `grant`; `None` when there is nothing to wait for (its window is
     /// gone, or the endpoint failed or closed, and its QP with it).
     pub(crate) async fn revoke_grant(&self, grant: u64) -> io::Result<Option<u64>> {
-        std::future::poll_fn(|cx| {
-            let mut st = self.lock();
-            st.drain();
-            if Self::remote_dead(&st).is_some() {
-                return Poll::Ready(Ok(None));
-            }
-            if st.qp.poll_remote_slot(cx).is_pending() {
-                st.widen_arm();
-                self.ensure_tick(&st);
-                return Poll::Pending;
-            }
-            let id = st.qp.revoke_grant(grant, false).map_err(io::Error::from)?;
-            st.widen_arm();
-            self.ensure_tick(&st);
-            Poll::Ready(Ok(id))
-        })
-        .await
+        if Self::remote_dead(&self.lock()).is_some() {
+            return Ok(None);
+        }
+        match self
+            .with_remote_slot(|qp| qp.revoke_grant(grant, false))
+            .await
+        {
+            // Failed or closed while waiting: the QP's windows die with it.
+            Err(_) if Self::remote_dead(&self.lock()).is_some() => Ok(None),
+            r => r,
+        }
     }
 
     /// Grants whose window is bound now.
