@@ -13,6 +13,8 @@ use std::time::Duration;
 use tokio_rdma::remote::{GrantAccess, LocalRegion, RemoteRegion};
 use tokio_rdma::{Error, MessageConfig, MessageEndpoint, MessageListener};
 
+mod common;
+
 #[path = "../examples/shared/pattern.rs"]
 #[allow(dead_code)]
 mod shared;
@@ -275,4 +277,142 @@ async fn a_read_dropped_in_flight_never_writes_into_reused_memory() {
     let got = client.read(&remote, 0, size).await.unwrap();
     assert!(got[..] == shared::pattern_vec(7, size)[..]);
     assert_eq!(client.stats().buffers_held_for_nic, 0);
+}
+
+/// A peer process killed while 4 tasks READ (then, on a second peer,
+/// WRITE) 64 KiB from its grant in a loop: every task's operation ends
+/// with a typed error within the bound (the RC retry bound, or rdma_cm's
+/// DISCONNECTED), none hangs, and once the endpoint is dropped every verbs
+/// object of the connection (QP, CQ, windows, cm id) and fd is back at
+/// the start. Before tokio's cooperative budget was consumed per
+/// operation, the 4 tasks never yielded (rxe completed their READs inside
+/// the post) and the test hung with the runtime's timers stopped. The
+/// peer is `remote_bench
+/// --serve` (a grant of 1 MiB: READ, WRITE, atomics).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_killed_during_reads_and_writes_fails_them_typed_and_frees_everything() {
+    use tokio::io::AsyncBufReadExt as _;
+    // The process-wide fds (the device, the rdma_cm and completion
+    // channels) open with the first connection: the second round must end
+    // with the fds the first ended with.
+    let mut fds_after_first: Option<usize> = None;
+    for write in [false, true] {
+        let start = tokio_rdma::stats::resources();
+        let mut child = tokio::process::Command::new(common::example("remote_bench"))
+            .args(["--addr", IP, "--serve", &format!("{IP}:0")])
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("remote_bench");
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = lines
+            .next_line()
+            .await
+            .unwrap()
+            .expect("the peer's address");
+        let addr: std::net::SocketAddr = line
+            .strip_prefix("listening on ")
+            .expect("listening on ADDR")
+            .parse()
+            .unwrap();
+        let ep = Arc::new(MessageEndpoint::connect(addr).await.unwrap());
+        let hello = ep.recv().await.unwrap().expect("the grant");
+        let remote = RemoteRegion::decode(&hello).unwrap();
+        let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut tasks = tokio::task::JoinSet::new();
+        for t in 0..4u64 {
+            let (ep, done) = (Arc::clone(&ep), Arc::clone(&done));
+            tasks.spawn(async move {
+                let data = vec![t as u8; 64 * 1024];
+                loop {
+                    let r = if write {
+                        ep.write(&remote, t * 65536, &data).await.map(drop)
+                    } else {
+                        ep.read(&remote, t * 65536, 65536).await.map(drop)
+                    };
+                    match r {
+                        Ok(()) => {
+                            done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Err(e) => return e,
+                    }
+                }
+            });
+        }
+        // Let operations flow, then kill the peer mid-operation.
+        let flowing = async {
+            while done.load(std::sync::atomic::Ordering::Relaxed) < 40 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), flowing)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "write {write}: only {} operations in 60 s, tasks finished: {}",
+                    done.load(std::sync::atomic::Ordering::Relaxed),
+                    tasks.len()
+                )
+            });
+        eprintln!(
+            "write {write}: {} operations before the kill",
+            done.load(std::sync::atomic::Ordering::Relaxed)
+        );
+        child.kill().await.unwrap();
+        let mut errors = 0;
+        let all = async {
+            while let Some(r) = tasks.join_next().await {
+                let e = r.unwrap();
+                assert!(
+                    matches!(
+                        Error::from_io(&e),
+                        Some(
+                            Error::RemoteAccess { .. }
+                                | Error::PeerDisconnected
+                                | Error::WorkCompletion { .. }
+                                | Error::KeepaliveTimeout { .. }
+                        )
+                    ),
+                    "typed error, write {write}: {e:?}"
+                );
+                errors += 1;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), all)
+            .await
+            .expect("every operation's future resolves");
+        assert_eq!(errors, 4);
+        drop(ep);
+        // The connection's objects are gone (the process-wide default pool
+        // keeps its slabs and the device its PD, by design).
+        let conn_objects = |r: tokio_rdma::stats::ResourceSnapshot| {
+            (
+                r.queue_pairs,
+                r.completion_queues,
+                r.memory_windows,
+                r.cm_ids,
+                r.completion_channels,
+            )
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while conn_objects(tokio_rdma::stats::resources()) != conn_objects(start)
+            && std::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert_eq!(
+            conn_objects(tokio_rdma::stats::resources()),
+            conn_objects(start),
+            "write {write}: {:?}",
+            tokio_rdma::stats::resources()
+        );
+        let fds = common::open_fds();
+        if let Some(first) = fds_after_first {
+            assert!(
+                fds.abs_diff(first) <= 2,
+                "fds {fds} after the second round, {first} after the first"
+            );
+        }
+        fds_after_first = Some(fds);
+    }
 }

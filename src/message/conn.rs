@@ -1099,6 +1099,12 @@ impl MsgConn {
     /// Waits for a remote slot, then posts `wr` with `local`; returns the
     /// wr_id to [`wait_remote`](Self::wait_remote) on.
     pub(crate) async fn start_remote(&self, wr: RemoteWr, local: PoolBuf) -> io::Result<u64> {
+        // One unit of tokio's cooperative budget per operation: rxe can
+        // complete a small READ inside its post, so a task looping over
+        // operations that all complete at once never returned to the
+        // scheduler (a guest test's four tasks held both workers and
+        // stopped the runtime's timers).
+        tokio::task::coop::consume_budget().await;
         self.with_remote_slot(|qp| qp.post_remote(wr, local)).await
     }
 
