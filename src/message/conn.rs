@@ -208,9 +208,12 @@ impl MsgState {
         if !is_recv && wc.wr_id & (MW_WR_FLAG | REMOTE_WR_FLAG) == REMOTE_WR_FLAG {
             // A one-sided operation, grant bind or revocation
             // (`crate::remote`): its future gets the status.
-            let op = self.qp.remote_op_name(wc.wr_id);
+            // Named (a scan of the ledger) only for a failure, before the
+            // completion takes the WR out of the ledger.
+            let failed = wc.status != WC_SUCCESS && !(wc.status == WC_WR_FLUSH_ERR && self.dead());
+            let op = failed.then(|| self.qp.remote_op_name(wc.wr_id));
             self.qp.remote_completed(wc.wr_id, wc.status);
-            if wc.status != WC_SUCCESS && !(wc.status == WC_WR_FLUSH_ERR && self.dead()) {
+            if let Some(op) = op {
                 // The QP is in the error state now (RC): the endpoint with it.
                 self.lost(Error::RemoteAccess {
                     op,
