@@ -78,7 +78,8 @@ pub struct ConnectionStats {
     /// (`WaitStrategy::Adaptive`: from 100 us, or `max` if lower, up to
     /// its `max`, see there;
     /// the fixed budget of `WaitStrategy::Spin`; 0 for
-    /// `WaitStrategy::Park`).
+    /// `WaitStrategy::Park`, and for `WaitStrategy::Adaptive` in a process
+    /// that may run on one CPU only, where it parks).
     pub spin_limit_us: u64,
     /// Completion events the connection's driver task left to a reader
     /// parked on the completion queue instead of waking for them too (on
