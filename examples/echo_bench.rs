@@ -328,6 +328,28 @@ struct SuiteArgs {
     /// (benches/README.md), more than the targets' margins.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
     rounds: u32,
+    /// perftest's latency and message-rate references sleep on completion
+    /// events (`ib_send_lat -e`, `ib_send_bw -e`) instead of busy-polling:
+    /// for one CPU (the deterministic one-vCPU setup), where a busy poller
+    /// takes the CPU from its peer and rxe. `ib_write_bw` polls either way.
+    #[arg(long)]
+    events: bool,
+    /// Also write each row's main figure and its ratio to perftest to this
+    /// file, tab-separated (`table`, `row`, `value`, `unit`, `ratio` or
+    /// `-`), for `integration/bench-table`.
+    #[arg(long)]
+    summary: Option<std::path::PathBuf>,
+}
+
+/// The rows `--summary` writes: one line each, tab-separated.
+static SUMMARY: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Records one row for `--summary`: `value` in `unit`, and its ratio to
+/// the table's perftest reference when it has one.
+fn summarize(table: &str, row: &str, value: f64, unit: &str, ratio: Option<f64>) {
+    let ratio = ratio.map_or_else(|| "-".to_string(), |r| format!("{r:.4}"));
+    let line = format!("{table}\t{}\t{value:.3}\t{unit}\t{ratio}", row.trim());
+    SUMMARY.lock().unwrap_or_else(|p| p.into_inner()).push(line);
 }
 
 impl SuiteArgs {
@@ -1215,6 +1237,8 @@ async fn suite(args: SuiteArgs) {
         server_ip,
         label,
         rounds,
+        events,
+        summary,
         ..
     } = args;
     let run = |c: Case, n: u64| async move {
@@ -1409,6 +1433,9 @@ async fn suite(args: SuiteArgs) {
     };
     let mut lat = common.clone();
     lat.extend(["-s".into(), "64".into(), "-n".into(), requests.to_string()]);
+    if events {
+        lat.push("-e".into());
+    }
     // ib_send_lat prints one-way times (half a round trip): doubled here.
     // Columns: #bytes #iterations t_min t_max t_typical t_avg t_stdev 99% 99.9%.
     let ib = perf("ib_send_lat", lat, 18520)
@@ -1422,30 +1449,46 @@ async fn suite(args: SuiteArgs) {
     println!(
         "64 B round trip, one connection, 1 in flight (us)   p50     mean      p99    p99.9     req/s  CPU us/rt  mean/ib  p99/ib"
     );
+    let lat_table = "64 B round trip, mean";
+    let ib_name = if events {
+        "ib_send_lat -e x2 (raw verbs, events)"
+    } else {
+        "ib_send_lat x2 (raw verbs, busy-poll)"
+    };
     match (ib_p50, ib_mean, ib_p99, ib_p999) {
-        (Some(a), Some(b), Some(c), Some(d)) => println!(
-            "  {:<48} {a:>7.1} {b:>8.1} {c:>8.1} {d:>8.1} {:>9.0} {:>10.1}     1.00    1.00",
-            "ib_send_lat x2 (raw verbs, busy-poll)",
-            1e6 / b,
-            // Both perftest processes spin for the whole round trip.
-            2.0 * b
-        ),
+        (Some(a), Some(b), Some(c), Some(d)) => {
+            println!(
+                "  {ib_name:<48} {a:>7.1} {b:>8.1} {c:>8.1} {d:>8.1} {:>9.0} {:>10}     1.00    1.00",
+                1e6 / b,
+                // Busy-polling, both perftest processes spin for the whole
+                // round trip; sleeping on events, perftest does not say.
+                if events {
+                    "-".to_string()
+                } else {
+                    format!("{:.1}", 2.0 * b)
+                }
+            );
+            summarize(lat_table, ib_name, b, "us", Some(1.0));
+        }
         _ => println!("  ib_send_lat x2 (raw verbs)   n/a (perftest failed)"),
     }
     for c in &latency {
         match run(c.clone(), requests).await {
-            Some(o) => println!(
-                "  {:<48} {:>7.1} {:>8.1} {:>8.1} {:>8.1} {:>9.0} {:>10.1} {:>8} {:>7}",
-                c.name,
-                o.p50,
-                o.mean,
-                o.p99,
-                o.p999,
-                o.rps,
-                o.cpu_per_rt_us,
-                ratio(o.mean, ib_mean),
-                ratio(o.p99, ib_p99)
-            ),
+            Some(o) => {
+                println!(
+                    "  {:<48} {:>7.1} {:>8.1} {:>8.1} {:>8.1} {:>9.0} {:>10.1} {:>8} {:>7}",
+                    c.name,
+                    o.p50,
+                    o.mean,
+                    o.p99,
+                    o.p999,
+                    o.rps,
+                    o.cpu_per_rt_us,
+                    ratio(o.mean, ib_mean),
+                    ratio(o.p99, ib_p99)
+                );
+                summarize(lat_table, c.name, o.mean, "us", ib_mean.map(|b| o.mean / b));
+            }
             None => println!("  {:<48} failed", c.name),
         }
     }
@@ -1478,6 +1521,13 @@ async fn suite(args: SuiteArgs) {
         match run(c.clone(), bulk_requests(requests, c.size)).await {
             Some(o) => {
                 let mbs = o.rps * c.size as f64 / 1e6;
+                summarize(
+                    "echo, 8 in flight, each way",
+                    c.name,
+                    mbs,
+                    "MB/s",
+                    ib_bw.map(|b| mbs / b),
+                );
                 println!(
                     "  {:<48} {:>7.1} {:>8.1} {:>8.1} {:>8.1} {:>9.0} {:>10.1} {:>14.2} {:>15}",
                     c.name,
@@ -1572,12 +1622,16 @@ async fn suite(args: SuiteArgs) {
             "one way, 64 KiB writes (two processes){}                MB/s  CPU us/MB  write p50 us  write p99 us  vs ib_write_bw",
             rounds_note(rounds)
         );
+        let table = "one way, 64 KiB writes";
         match ib.median() {
-            Some(b) => println!(
-                "  {:<48} {b:>9.2}          -             -             -  1.00{}",
-                "ib_write_bw -s 65536 (raw verbs)",
-                ib.range_of(2, " MB/s")
-            ),
+            Some(b) => {
+                println!(
+                    "  {:<48} {b:>9.2}          -             -             -  1.00{}",
+                    "ib_write_bw -s 65536 (raw verbs)",
+                    ib.range_of(2, " MB/s")
+                );
+                summarize(table, "ib_write_bw -s 65536", b, "MB/s", Some(1.0));
+            }
             None => println!("  ib_write_bw -s 65536   n/a (perftest failed)"),
         }
         for (c, f) in rows.iter().zip(&figures) {
@@ -1585,6 +1639,8 @@ async fn suite(args: SuiteArgs) {
                 println!("  {:<48} failed", c.name);
                 continue;
             };
+            let r = (c.scheme != "tcp").then(|| f.ratio.median()).flatten();
+            summarize(table, c.name, mbs, "MB/s", r);
             println!(
                 "  {:<48} {mbs:>9.2} {:>10.1} {:>13.1} {:>13.1}  {}{}",
                 c.name,
@@ -1602,7 +1658,7 @@ async fn suite(args: SuiteArgs) {
     }
 
     if server_ip.is_none() {
-        message_one_way(&common, requests, rounds, &perf, &run).await;
+        message_one_way(&common, requests, rounds, events, &perf, &run).await;
     }
 
     if let (Some(counter), None) = (counter, server_ip) {
@@ -1616,9 +1672,18 @@ async fn suite(args: SuiteArgs) {
                 Some(o) => {
                     let (total, top) = o.syscalls_per_rt.unwrap_or((f64::NAN, String::new()));
                     println!("  {:<48} {total:>7.1}  {top}", c.name);
+                    summarize("syscalls per round trip", c.name, total, "calls", None);
                 }
                 None => println!("  {:<48} failed", c.name),
             }
+        }
+    }
+    if let Some(path) = summary {
+        let rows = SUMMARY.lock().unwrap_or_else(|p| p.into_inner());
+        let mut text = rows.join("\n");
+        text.push('\n');
+        if let Err(e) = std::fs::write(&path, text) {
+            eprintln!("echo_bench: writing {}: {e}", path.display());
         }
     }
 }
@@ -1633,6 +1698,7 @@ async fn message_one_way<P, PF, R, RF>(
     common: &[String],
     requests: u64,
     rounds: u32,
+    events: bool,
     perf: &P,
     run: &R,
 ) where
@@ -1691,6 +1757,9 @@ async fn message_one_way<P, PF, R, RF>(
     for _ in 0..rounds {
         let mut small = common.to_vec();
         small.extend(["-s".into(), "64".into(), "-n".into(), "100000".into()]);
+        if events {
+            small.push("-e".into());
+        }
         let ib_rate = perf("ib_send_bw", small, 18524)
             .await
             .and_then(|o| perftest::msg_rate(&o));
@@ -1729,22 +1798,33 @@ async fn message_one_way<P, PF, R, RF>(
         "messages one way (two processes){}                             msgs/s      MB/s  CPU us/msg  send p50 us  send p99 us  vs perftest",
         rounds_note(rounds)
     );
+    let table = "messages one way";
+    let ib_name = if events {
+        "ib_send_bw -e -s 64 (raw verbs, MsgRate)"
+    } else {
+        "ib_send_bw -s 64 (raw verbs, MsgRate)"
+    };
     match ib_rates.median() {
-        Some(r) => println!(
-            "  {:<60} {r:>9.0} {:>9.2}           -            -            -  1.00{}",
-            "ib_send_bw -s 64 (raw verbs, MsgRate)",
-            r * 64.0 / 1e6,
-            ib_rates.range_of(0, " msgs/s")
-        ),
+        Some(r) => {
+            println!(
+                "  {ib_name:<60} {r:>9.0} {:>9.2}           -            -            -  1.00{}",
+                r * 64.0 / 1e6,
+                ib_rates.range_of(0, " msgs/s")
+            );
+            summarize(table, ib_name, r, "msgs/s", Some(1.0));
+        }
         None => println!("  ib_send_bw -s 64   n/a (perftest failed)"),
     }
     match ib_bws.median() {
-        Some(b) => println!(
-            "  {:<60} {:>9.1} {b:>9.2}           -            -            -  1.00{}",
-            "ib_write_bw -s 1048576 (raw verbs)",
-            b * 1e6 / (1 << 20) as f64,
-            ib_bws.range_of(2, " MB/s")
-        ),
+        Some(b) => {
+            println!(
+                "  {:<60} {:>9.1} {b:>9.2}           -            -            -  1.00{}",
+                "ib_write_bw -s 1048576 (raw verbs)",
+                b * 1e6 / (1 << 20) as f64,
+                ib_bws.range_of(2, " MB/s")
+            );
+            summarize(table, "ib_write_bw -s 1048576", b, "MB/s", Some(1.0));
+        }
         None => println!("  ib_write_bw -s 1048576   n/a (perftest failed)"),
     }
     for (c, f) in rows.iter().zip(&figures) {
@@ -1752,6 +1832,17 @@ async fn message_one_way<P, PF, R, RF>(
             println!("  {:<60} failed", c.name);
             continue;
         };
+        if c.size <= 64 {
+            summarize(table, c.name, rate, "msgs/s", f.ratio.median());
+        } else {
+            summarize(
+                table,
+                c.name,
+                rate * c.size as f64 / 1e6,
+                "MB/s",
+                f.ratio.median(),
+            );
+        }
         println!(
             "  {:<60} {rate:>9.0} {:>9.2} {:>11.1} {:>12.1} {:>12.1}  {}{}",
             c.name,
