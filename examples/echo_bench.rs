@@ -91,7 +91,7 @@ enum SyscallCounter {
     /// `strace -c -f`: every name, but each syscall stops the process.
     /// On the multi-thread runtime that slowdown itself adds futex calls
     /// (a round trip outlasts the driver's 5 ms tick, which then meets the
-    /// reader on the connection's lock; benches/README.md, "A spin's clock
+    /// reader on the connection's lock; benches/history/echo-2026-12-01-to-03.md, "A spin's clock
     /// reads, and the futex calls of the multi-thread runtime").
     Strace,
 }
@@ -325,7 +325,7 @@ struct SuiteArgs {
     /// and each row prints the median of its rounds and its ratio as
     /// the median of the per-round ratios with their range. One run of
     /// either side moves by up to 1.7x between runs in the guest
-    /// (benches/README.md), more than the targets' margins.
+    /// (benches/README.md, "The setups"), more than the targets' margins.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
     rounds: u32,
     /// perftest's latency and message-rate references sleep on completion

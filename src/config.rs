@@ -73,7 +73,7 @@ impl Default for RdmaConfig {
 
 /// Default [`RdmaConfig::max_ring_size`]: 262144 bytes (256 KiB). Four
 /// times the default ring: in the Soft-RoCE guest a 256 KiB ring moved
-/// 64 KiB writes 1.22-1.73x as fast as 64 KiB did (benches/README.md,
+/// 64 KiB writes 1.22-1.73x as fast as 64 KiB did (benches/history/echo-2026-12-04.md,
 /// "the ring size is the bulk lever"); on a NIC it covers the
 /// bandwidth-delay product of 100 Gb/s at 20 us.
 pub const DEFAULT_MAX_RING_SIZE: u32 = 256 * 1024;
@@ -105,7 +105,7 @@ pub enum WaitStrategy {
     /// connection with a completion channel of its own (the first 64 of a
     /// process) no longer wakes for the completions a parked reader takes:
     /// before, it competed with the spinner on the other worker and
-    /// spinning gained nothing (benches/README.md, "Spin, then park" and
+    /// spinning gained nothing (benches/history/echo-2026-12-01-to-03.md, "Spin, then park" and
     /// "Events left to the reader"). A connection on the runtime's shared
     /// channel still wakes its driver for every event.
     ///
@@ -125,21 +125,21 @@ pub enum WaitStrategy {
     /// the peer's answer times spread evenly up to `max` (the cost, measured
     /// as latency, then holds the peer's late answers too); in the
     /// Soft-RoCE guest a park costs 0.2-2 ms and the limit grows
-    /// (benches/README.md, "A spin limit learnt from what a park costs").
+    /// (benches/history/echo-2026-12-01-to-03.md, "A spin limit learnt from what a park costs").
     ///
     /// A wait answered while spinning sets the budget to the limit (the
     /// next wait spins for as long as a park costs; spinning only about
     /// twice the usual wait, as before, parked the waits between that and
     /// the limit, and in the Soft-RoCE guest the 64 B round trip's mean
     /// on current_thread was 1.06-1.27x and its p99 1.1-1.3x what it is
-    /// now: benches/README.md, "A wait answered while spinning spins the
+    /// now: benches/history/echo-2026-12-05.md, "A wait answered while spinning spins the
     /// limit next"), unless the runtime has tasks other than this crate's
     /// own and the waiting one: then it moves the budget toward twice
     /// that wait (up to it at once, or halfway down to it), so the wait
     /// parks and lets them run soon (a task the spinner woke, such as the
     /// writer half of a pipelined exchange, cannot run while it spins:
     /// the 8 KiB x 8 echo of `echo_bench` ran 0.73-0.76x as many requests
-    /// per second spinning to the limit, benches/README.md, "A long spin
+    /// per second spinning to the limit, benches/history/echo-2026-12-05.md, "A long spin
     /// holds up the writer of a pipelined exchange"); a parked wait that
     /// was answered within the limit raises it to twice that wait; a
     /// parked wait longer than the limit halves it, and
@@ -186,7 +186,7 @@ pub enum WaitStrategy {
 /// Soft-RoCE guest (a 64 B round trip of raw verbs: 90-180 us) a fixed 100
 /// us limit took the 64 B round trip's mean on the current_thread runtime
 /// to 0.5-0.9x the build that parked at once, where 50 us gave 0.8-1.5x
-/// (benches/README.md, "Spin, then park").
+/// (benches/history/echo-2026-12-01-to-03.md, "Spin, then park").
 pub const ADAPTIVE_SPIN_START: Duration = Duration::from_micros(100);
 
 /// The default [`WaitStrategy::Adaptive`] `max`, the most the learnt limit
@@ -194,7 +194,7 @@ pub const ADAPTIVE_SPIN_START: Duration = Duration::from_micros(100);
 /// Soft-RoCE guest on the multi-thread runtime a fixed 1,500 us limit gave
 /// 0.47-0.55x the 64 B round trip's mean of a fixed 100 us, with less CPU
 /// per round trip (a park there costs more CPU than the spin it replaces),
-/// where 400 us gave 0.87-0.93x (benches/README.md, "Syscalls counted by
+/// where 400 us gave 0.87-0.93x (benches/history/echo-2026-12-01-to-03.md, "Syscalls counted by
 /// the kernel"). The limit reaches it only where parking is measured to
 /// cost more than spinning (see [`WaitStrategy::Adaptive`]).
 pub const DEFAULT_SPIN_MAX: Duration = Duration::from_micros(1600);
@@ -325,7 +325,8 @@ impl RdmaConfig {
     /// (default 65536 = 64 KiB; 4096..=1 GiB). It is all an idle
     /// connection keeps registered, and it bounds the bytes in flight
     /// towards this side: on rxe 64 KiB moves as much as 128 KiB
-    /// (benches/README.md); on a fast NIC raise it towards the
+    /// (benches/history/echo-2026-12-04.md, "Small reads copy once; the
+    /// ring size is the bulk lever"); on a fast NIC raise it towards the
     /// bandwidth-delay product for bulk (100 Gb/s x 10 us = 125 KB).
     pub fn ring_size(mut self, bytes: u32) -> Self {
         self.ring_size = bytes;
@@ -373,7 +374,7 @@ impl RdmaConfig {
     /// in it completed, so as many bytes can be in flight as byte credit
     /// allows (like TCP's send-buffer autotuning, `tcp_wmem`; a smaller
     /// buffer keeps one 64 KiB WR in flight against a 256 KiB ring:
-    /// benches/README.md, "A send buffer that follows the peer's ring").
+    /// benches/history/echo-2026-12-06.md, "A send buffer that follows the peer's ring").
     /// [`ConnectionStats::send_buffer_size`](crate::ConnectionStats::send_buffer_size)
     /// reports the size in use. If the larger buffer cannot be
     /// registered, the buffer stays as it is.
@@ -445,7 +446,7 @@ impl RdmaConfig {
     /// runtime, every other task of it) for up to the budget; an idle
     /// connection spends about twice the limit of CPU time spinning, then
     /// the limit once per 8 waits (a probe, [`WaitStrategy::Adaptive`]).
-    /// Measured in the Soft-RoCE guest: benches/README.md, "Spin, then
+    /// Measured in the Soft-RoCE guest: benches/history/echo-2026-12-01-to-03.md, "Spin, then
     /// park" and "A spin limit learnt from what a park costs".
     pub fn wait_strategy(mut self, strategy: WaitStrategy) -> Self {
         self.wait_strategy = strategy;
@@ -461,7 +462,7 @@ impl RdmaConfig {
     /// plus 16 entries, in it), and it must stay armed while any connection
     /// on it waits, so a busy connection on it raises a completion event
     /// per completion burst: in the Soft-RoCE guest a parked 64 B round
-    /// trip took 1.6-2.8x as long in mean (benches/README.md, "Shared
+    /// trip took 1.6-2.8x as long in mean (benches/history/echo-2026-12-01-to-03.md, "Shared
     /// completion queues"). Meant for many mostly idle connections on a
     /// device with few CQs. Without it a connection still gets a shared CQ
     /// once the process holds half the device's `max_cq` CQs of their own,

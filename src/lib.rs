@@ -10,7 +10,7 @@
 //! you (one-sided RDMA); [`transport`] switches between `rdma://` and
 //! `tcp://` by address.
 //!
-//! Layers, bottom up (see the README's design notes):
+//! Layers, bottom up (see [`guide::design`]):
 //! - [`verbs`]: the only code that calls libibverbs/librdmacm (through
 //!   `sideway` and `rdma-mummy-sys`): devices, PDs, CQs, QPs, MRs, rdma_cm.
 //!   It imports nothing above it but the error type.
@@ -53,6 +53,7 @@
 pub mod config;
 mod conn;
 pub mod error;
+pub mod guide;
 pub mod message;
 #[allow(unsafe_code)]
 pub mod pool;

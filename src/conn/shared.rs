@@ -135,7 +135,9 @@ pub(crate) trait Driven: Send + 'static {
     /// control messages wake a parked reader, and its own send
     /// completions, polled with the next receive, wake nobody (on a
     /// parked ping-pong they were one extra wake-up per round trip, see
-    /// benches/README.md). Default: every completion raises the event.
+    /// benches/history/echo-2026-12-01-to-03.md, "Solicited events, and
+    /// where the multi-thread runtime's round trip goes"). Default: every
+    /// completion raises the event.
     fn solicited_events_suffice(&self) -> bool {
         false
     }
@@ -156,7 +158,7 @@ pub(crate) trait Driven: Send + 'static {
     /// for what it does: a stream's bytes a reader left in the ring. Other
     /// ticks start again at every wake-up, which already looked at the
     /// connection (on the multi-thread runtime ticks on schedule in a
-    /// 64 B ping-pong measured slower: benches/README.md, "Small reads
+    /// 64 B ping-pong measured slower: benches/history/echo-2026-12-04.md, "Small reads
     /// copy once").
     fn tick_on_schedule(&self) -> bool {
         false
@@ -214,7 +216,7 @@ pub(crate) trait Driven: Send + 'static {
     /// tick looks at the connection. An arm that outlives its need made
     /// the completion that lands while the reader is inside its next write
     /// (neither parked nor spinning then) raise an event that woke the
-    /// driver to meet the reader on the lock (benches/README.md, "Arms
+    /// driver to meet the reader on the lock (benches/history/echo-2026-12-05.md, "Arms
     /// left over wake the driver"). An unarmed CQ counts as a narrow arm
     /// ([`on_armed`](Self::on_armed) with `true`): a task that starts
     /// waiting on a send completion arms for itself.
@@ -323,7 +325,7 @@ impl<D: Driven> Shared<D> {
     /// A cooperative spin (one poll per scheduler turn, the task waking
     /// itself) was measured and not kept: for a `block_on` future each turn
     /// costs an eventfd write and an `epoll_wait`, and in the guest it
-    /// gained nothing over parking (benches/README.md, "Spin, then park").
+    /// gained nothing over parking (benches/history/echo-2026-12-01-to-03.md, "Spin, then park").
     pub(crate) fn spin<'a>(
         &'a self,
         mut st: MutexGuard<'a, D>,

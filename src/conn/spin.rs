@@ -73,7 +73,7 @@ pub(crate) const STALE_REVIEWS: u32 = 4;
 /// reader's poll) would need a timestamp the CQ does not give. In the
 /// Soft-RoCE guest under TCG a parked wait ended 0.2-2 ms after the
 /// peer's answer, where both ends spinning answer in about 70 us
-/// (benches/README.md, "A spin limit learnt from what a park costs").
+/// (benches/history/echo-2026-12-01-to-03.md, "A spin limit learnt from what a park costs").
 ///
 /// [`DEFAULT_SPIN_MAX`]: crate::config::DEFAULT_SPIN_MAX
 /// [`ADAPTIVE_SPIN_START`]: crate::config::ADAPTIVE_SPIN_START
@@ -225,7 +225,7 @@ impl SpinBudget {
             // the waits between that and the limit, where a park cost 5-20
             // times the wait in the Soft-RoCE guest: 0.79-0.94x the 64 B
             // round trip's mean and 0.75-0.91x its p99 on current_thread
-            // without it (benches/README.md, "A wait answered while
+            // without it (benches/history/echo-2026-12-05.md, "A wait answered while
             // spinning spins the limit next").
             self.budget = self.limit;
         } else if waited <= self.limit {
@@ -274,7 +274,7 @@ impl SpinBudget {
 /// A spinning task reads the clock once per this many CQ polls (16).
 ///
 /// In the Soft-RoCE guest a clock read is a system call and an emulated
-/// HPET read (4.6-5.4 us, benches/README.md, "The guest's clock"), about
+/// HPET read (4.6-5.4 us, benches/history/echo-2026-12-01-to-03.md, "The guest's clock"), about
 /// ten times an empty CQ poll there; reading it every poll delayed
 /// noticing a completion by up to one read. On a host a read is ~20 ns
 /// (vDSO) and an empty poll with its lock ~50-100 ns, so 16 polls

@@ -70,7 +70,7 @@ const POST_AT_ONCE_BELOW: usize = 4;
 /// free a slot for it): the peer's READ cannot start before the RTS
 /// arrives, and the transfer costs far more than the doorbell a batch
 /// saves. 1 MiB messages one way on current_thread went at 1.05-1.11x
-/// the rate (benches/README.md, "A rendezvous send posts at once").
+/// the rate (benches/history/echo-2026-12-05.md, "A rendezvous send posts at once").
 fn send_posts_at_once(defer: bool, rendezvous: bool, outstanding_wrs: usize) -> bool {
     !defer && (rendezvous || outstanding_wrs < POST_AT_ONCE_BELOW)
 }
@@ -478,7 +478,7 @@ impl MsgState {
                 // a drain that read every rendezvous it knew of held the
                 // first message back for all of their transfers, and an
                 // echo's two processes took turns instead of overlapping
-                // (benches/README.md, "A message delivered before more is
+                // (benches/history/echo-2026-12-05.md, "A message delivered before more is
                 // read"). On a NIC a READ completes later, so the READs of
                 // rendezvous announced together still go in one drain; a
                 // drain that finds a complete message waiting holds the
@@ -497,7 +497,7 @@ impl MsgState {
                 // message below); it posts as before. The count of takes
                 // is what keeps a 1 MiB echo holding: its answers come
                 // tens of milliseconds apart (1.75-1.95x with it,
-                // benches/README.md, "An endpoint that answers what it
+                // benches/history/echo-2026-12-06.md, "An endpoint that answers what it
                 // takes").
                 let may_hold = may_hold_reads(
                     self.tick_round,
@@ -602,7 +602,7 @@ impl MsgState {
     /// woke the driver, on the multi-thread runtime another thread that met
     /// the sender on the lock, to post a burst of a few messages; left to
     /// the sender, 64 B messages with `send()` each went at 1.06-1.61x the
-    /// rate (benches/README.md, "A sustained stream posts its own queue").
+    /// rate (benches/history/echo-2026-12-05.md, "A sustained stream posts its own queue").
     /// A parked task (a `recv`) still gets its wake-up: the deferral
     /// widens the arm, and the woken task's drain posts the queue. So does
     /// a message held back by low credit ([`MessageCore::credit_low`]):
@@ -721,7 +721,7 @@ impl Driven for MsgState {
     /// wait for pool memory (a completion may free some). A request's
     /// completion then wakes nobody: not the task parked for its
     /// response, nor the driver (on the multi-thread runtime a 64 B
-    /// ping-pong took 0.56-0.61x the mean: benches/README.md, "Messages:
+    /// ping-pong took 0.56-0.61x the mean: benches/history/echo-2026-12-04.md, "Messages:
     /// solicited events"); nor does a stream's (its sender reaps them).
     fn solicited_events_suffice(&self) -> bool {
         self.alive()
@@ -808,7 +808,7 @@ impl MsgConn {
         // a drain can post RDMA READs that rxe runs inside the post, and a
         // receiver that drained first took one message per call while its
         // READs completed several, until the quota stopped them (1 MiB
-        // messages: 1.04-1.15x, no quota stalls; benches/README.md,
+        // messages: 1.04-1.15x, no quota stalls; benches/history/echo-2026-12-04.md,
         // "Messages: solicited events").
         if !st.core.has_deliverable() {
             st.drain();

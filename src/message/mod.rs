@@ -23,7 +23,7 @@
 //! message's READs per doorbell. On rxe a READ between two ends of one
 //! device runs inside its post, so reading every announced rendezvous
 //! before handing out the first held an echo's answers back by all of
-//! their transfers (benches/README.md, "A message delivered before more is
+//! their transfers (benches/history/echo-2026-12-05.md, "A message delivered before more is
 //! read"); on a NIC a READ completes after its post returns, so the READs
 //! of rendezvous announced together still go in one drain.
 //!
@@ -168,7 +168,7 @@ impl MessageConfig {
     /// smaller READs recover for less: across two hosts with 1 % loss, one
     /// way 1 MiB messages moved 6.73 MB/s with 64 KiB READs, 1.84 with
     /// 256 KiB and 1.15 with 1 MiB; on the clean wire 25.1 vs 25.7 MB/s
-    /// (benches/README.md).
+    /// (benches/history/two-hosts.md, "Rendezvous READ size across the wire").
     pub fn max_read_len(mut self, bytes: u32) -> Self {
         self.max_read_len = bytes;
         self
@@ -200,7 +200,7 @@ impl MessageConfig {
     /// buffer per message grew its pool by a slab per message (page
     /// faults, zeroing, registration) and sent one way on the
     /// current_thread runtime at 0.72-0.77x the rate it reaches with this
-    /// bound (benches/README.md, "A send queue bounded in bytes").
+    /// bound (benches/history/echo-2026-12-06.md, "A send queue bounded in bytes").
     pub fn send_queue_bytes(mut self, bytes: u64) -> Self {
         self.send_queue_bytes = bytes;
         self

@@ -73,7 +73,7 @@
 //! responses carry each other's credit and a ping-pong sends no CREDIT:
 //! each CREDIT consumed a receive buffer that had to be returned too, and
 //! with `T = 3` (15 buffers posted) each side sent one CREDIT per two
-//! messages (benches/README.md, "Credit with the next EAGER").
+//! messages (benches/history/echo-2026-12-05.md, "Credit with the next EAGER").
 //!
 //! # Why this cannot deadlock
 //!
@@ -1399,7 +1399,7 @@ impl MessageCore {
     /// credit rode on EAGERs, the sender's own CREDITs held slots here and
     /// made the bound `CONTROL_RESERVE + 1` trip; without them a sender
     /// whose batches outgrew the posted slots stalled on credit without the
-    /// slots growing: benches/README.md, "Credit with the next EAGER".)
+    /// slots growing: benches/history/echo-2026-12-05.md, "Credit with the next EAGER".)
     /// Then the posted slots
     /// double (at most up to `recv_depth`). Post them, then call
     /// [`grow_recv`](MessageCore::grow_recv).

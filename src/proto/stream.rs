@@ -131,7 +131,8 @@ pub const CONTROL_RESERVE: u16 = 2;
 /// count starts again after each growth. (In the Soft-RoCE guest a
 /// stricter rule, within a quarter of full and then empty, stopped one
 /// step short: one-way bulk settled at 128 KiB where 256 KiB was faster on
-/// the multi-thread runtime; benches/README.md.)
+/// the multi-thread runtime; benches/history/echo-2026-12-04.md,
+/// "Receive rings that grow under bulk".)
 pub const GROW_AFTER_FILLS: u16 = 4;
 
 /// ABORT code used for aborts requested by the application. Codes 1..=10

@@ -145,7 +145,7 @@ impl StreamState {
     /// while it holds nothing, after the peer's ring grew: a send buffer
     /// smaller than the peer's ring keeps fewer bytes in flight than byte
     /// credit allows (with the default 64 KiB, one 64 KiB WR at a time
-    /// against a 256 KiB ring; benches/README.md, "A send buffer that
+    /// against a 256 KiB ring; benches/history/echo-2026-12-06.md, "A send buffer that
     /// follows the peer's ring"). Like TCP's send-buffer autotuning
     /// (`tcp_wmem`), bounded by the local config, never by the peer. A
     /// failure (no memory to pin) keeps the buffer as it is. Returns

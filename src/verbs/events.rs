@@ -29,7 +29,7 @@
 //! CQ armed (it arms after every event, then polls), as it must while any
 //! connection on it waits: so a busy connection on a shared CQ raises an
 //! event per completion burst, where a CQ of its own stays unarmed while
-//! its tasks run. Measured in the Soft-RoCE guest (benches/README.md,
+//! its tasks run. Measured in the Soft-RoCE guest (benches/history/echo-2026-12-01-to-03.md,
 //! "Shared completion queues"), a parked 64 B round trip took 1.6-2.8x
 //! the mean; hence opt-in (and automatic only near the device's `max_cq`).
 //!
@@ -161,7 +161,7 @@ static DEDICATED: AtomicUsize = AtomicUsize::new(0);
 /// fd) of their own: at most 64, and at most a sixteenth of the process's
 /// `RLIMIT_NOFILE` (64 with the default `ulimit -n` of 1024), so the
 /// budget never takes the descriptors the application needs. Measured in
-/// the Soft-RoCE guest (benches/README.md, "Completion events per
+/// the Soft-RoCE guest (benches/history/echo-2026-12-01-to-03.md, "Completion events per
 /// runtime"): a CQ on the shared channel adds a task hop to every parked
 /// wake-up.
 pub(crate) const DEDICATED_CHANNELS: usize = 64;
@@ -202,7 +202,7 @@ fn dedicated_budget() -> usize {
 /// a send completion (the reader arms before it parks, a blocked writer
 /// for itself): an arm left over from a round made the completion that
 /// lands while the reader is inside its next write raise an event that
-/// woke the driver (benches/README.md, "Arms left over wake the driver").
+/// woke the driver (benches/history/echo-2026-12-05.md, "Arms left over wake the driver").
 /// The round after a tick without reads arms again.
 #[derive(Default)]
 pub(crate) struct Delegation {
@@ -301,7 +301,7 @@ impl Delegation {
     /// filtering off at every tick under a spinning reader: its next event
     /// woke the driver, which on the multi-thread runtime met the reader
     /// on the connection's lock, 0.13 driver wake-ups and 0.1 lock waits
-    /// per 64 B round trip of a `block_on` client: benches/README.md,
+    /// per 64 B round trip of a `block_on` client: benches/history/echo-2026-12-05.md,
     /// "The driver's wake-ups under a spinning reader".)
     pub(crate) fn on_tick(&self) {
         let now = self.left.load(Ordering::Acquire);

@@ -37,7 +37,7 @@ impl Drop for OwnTask {
 /// in the worker's LIFO slot that no other worker steals from. The
 /// pipelined echo of `echo_bench` (8 requests in flight, its writer a
 /// task of its own) ran 0.73-0.76x as many requests per second when its
-/// reader spun to the limit (benches/README.md, "A long spin holds up
+/// reader spun to the limit (benches/history/echo-2026-12-05.md, "A long spin holds up
 /// the writer of a pipelined exchange"). The crate's tasks are counted
 /// per process, so with connections on several runtimes this undercounts
 /// other tasks (and spins longer). `false` outside a runtime.
