@@ -17,13 +17,11 @@
 //! own, and ids on any tokio runtime can share it (an `AsyncFd` is tied to
 //! the runtime that registered it; a thread and tokio channels are not).
 
-use std::collections::HashMap;
 use std::ffi::CStr;
 use std::io;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -39,6 +37,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
 use super::count::{Counted, DeviceLimits, Kind, classify};
+use super::routes::Routes;
 use crate::error::{Error, Result};
 
 /// The rdma_cm event types this crate acts on (`enum rdma_cm_event_type`).
@@ -257,62 +256,8 @@ impl EventChannel {
 /// channel read by one thread, and the queue of each id on it by token.
 pub(crate) struct SharedChannel {
     raw: RawChannel,
-    routes: Routes,
+    routes: Routes<mpsc::UnboundedSender<CmEvent>>,
     _counted: Counted,
-}
-
-/// The queue of each id on the shared channel, by token: the hand-off from
-/// the event thread to the task that waits for its id's events. A token
-/// is registered before its id exists (so no event can come before it) and
-/// never reused; an event for a token no longer registered (its id was
-/// destroyed, which waits for the ack of each of its events) is dropped
-/// and counted.
-struct Routes {
-    map: Mutex<HashMap<u64, mpsc::UnboundedSender<CmEvent>>>,
-    next_token: AtomicU64,
-    /// Events whose token had no queue.
-    unrouted: AtomicU64,
-}
-
-impl Routes {
-    fn new() -> Routes {
-        Routes {
-            map: Mutex::new(HashMap::new()),
-            next_token: AtomicU64::new(1),
-            unrouted: AtomicU64::new(0),
-        }
-    }
-
-    /// A fresh token (never reused) and the queue its events go to.
-    fn register(&self) -> (u64, mpsc::UnboundedReceiver<CmEvent>) {
-        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::unbounded_channel();
-        self.map
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(token, tx);
-        (token, rx)
-    }
-
-    fn unregister(&self, token: u64) {
-        self.map
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&token);
-    }
-
-    /// Hands `ev` to `token`'s queue; false (and counted) when the token
-    /// has none any more, or its receiver is gone.
-    fn route(&self, token: u64, ev: CmEvent) -> bool {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        let sent = map.get(&token).is_some_and(|tx| tx.send(ev).is_ok());
-        drop(map);
-        if !sent {
-            self.unrouted.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(token, "rdma_cm event for an id that is gone; dropped");
-        }
-        sent
-    }
 }
 
 /// Created with its thread on the first connect or accept; lives until the
@@ -359,7 +304,8 @@ impl SharedChannel {
     }
 
     fn register(&self) -> (u64, mpsc::UnboundedReceiver<CmEvent>) {
-        self.routes.register()
+        let (tx, rx) = mpsc::unbounded_channel();
+        (self.routes.register(tx), rx)
     }
 
     fn unregister(&self, token: u64) {
@@ -750,6 +696,14 @@ impl Drop for CmId {
 mod tests {
     use super::*;
 
+    /// A token of `routes` and the receiver of its queue.
+    fn register(
+        routes: &Routes<mpsc::UnboundedSender<CmEvent>>,
+    ) -> (u64, mpsc::UnboundedReceiver<CmEvent>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (routes.register(tx), rx)
+    }
+
     fn event(kind: CmEventKind, status: i32) -> CmEvent {
         CmEvent {
             kind,
@@ -762,8 +716,8 @@ mod tests {
     #[test]
     fn an_event_reaches_its_ids_queue_and_one_for_a_gone_id_is_counted() {
         let routes = Routes::new();
-        let (a, mut rx_a) = routes.register();
-        let (b, mut rx_b) = routes.register();
+        let (a, mut rx_a) = register(&routes);
+        let (b, mut rx_b) = register(&routes);
         assert_ne!(a, b);
         assert!(routes.route(a, event(CmEventKind::AddrResolved, 0)));
         assert!(routes.route(b, event(CmEventKind::AddrError, -110)));
@@ -777,9 +731,9 @@ mod tests {
         // A receiver dropped before its token was unregistered.
         drop(rx_b);
         assert!(!routes.route(b, event(CmEventKind::RouteResolved, 0)));
-        assert_eq!(routes.unrouted.load(Ordering::Relaxed), 2);
+        assert_eq!(routes.unrouted(), 2);
         // Tokens are never reused.
-        let (c, _rx_c) = routes.register();
+        let (c, _rx_c) = register(&routes);
         assert!(c > b);
     }
 
@@ -796,7 +750,7 @@ mod tests {
             .unwrap();
         rt.block_on(async {
             for _ in 0..10_000 {
-                let (token, mut rx) = routes.register();
+                let (token, mut rx) = register(&routes);
                 let r = Arc::clone(&routes);
                 let sender = std::thread::spawn(move || {
                     for (i, kind) in [
@@ -825,7 +779,7 @@ mod tests {
                 routes.unregister(token);
             }
         });
-        assert_eq!(routes.unrouted.load(Ordering::Relaxed), 0);
-        assert!(routes.map.lock().unwrap().is_empty());
+        assert_eq!(routes.unrouted(), 0);
+        assert_eq!(routes.registered(), 0);
     }
 }

@@ -36,8 +36,16 @@ pub(crate) mod ledger;
 #[allow(unsafe_code)]
 pub(crate) mod mw;
 pub(crate) mod rc;
+pub(crate) mod routes;
 pub(crate) mod tasks;
 
 pub use device::{
     Device, DeviceAddress, Gid, GidType, LinkLayer, Port, PortState, devices, select_device,
 };
+
+/// The synchronisation [`routes`] is built on: std's here, loom's in
+/// `tests/loom_cm_routes.rs`, which compiles that file on its own.
+mod routes_sync {
+    pub(crate) use std::sync::Mutex;
+    pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
+}
