@@ -8,11 +8,20 @@
 //! ```text
 //! setup_stress server 10.11.0.1:7003 [--kind stream|message]
 //! setup_stress client 10.11.0.1:7003 --cycles 1000 [--concurrency 32] \
-//!     [--runtime current|multi] [--kind stream|message] [--processes]
+//!     [--runtime current|multi] [--kind stream|message] [--processes] \
+//!     [--kill-every K [--kill-within-ms MS]]
+//! setup_stress server ... --report-secs 5   # resources and open connections
 //! ```
 //!
-//! Exit status 0 only if every cycle connected, echoed its bytes exactly
-//! and closed cleanly.
+//! `--kill-every` makes an accept burst with clients dying mid-handshake:
+//! every K-th child is killed at a delay spread over the first
+//! `--kill-within-ms`; the listener must go on serving the others, and
+//! its process's resources (`--report-secs`) return to where they started
+//! once the dead clients' half-open requests expired (the listener's
+//! connect timeout, at least 60 s; see the trust model).
+//!
+//! Exit status 0 only if every cycle not killed on purpose connected,
+//! echoed its bytes exactly and closed cleanly.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -55,6 +64,10 @@ enum Cmd {
         addr: SocketAddr,
         #[arg(long, value_enum, default_value = "stream")]
         kind: Kind,
+        /// Print the process's RDMA resources (`stats::resources()`) and
+        /// the connections open every this many seconds (0: never).
+        #[arg(long, default_value_t = 0)]
+        report_secs: u64,
     },
     /// Runs the cycles.
     Client {
@@ -75,8 +88,20 @@ enum Cmd {
         /// Round trips of 64 B per cycle.
         #[arg(long, default_value_t = 10)]
         round_trips: u32,
+        /// With `--processes`: every this many cycles (the first, then
+        /// each K-th) the child is killed (SIGKILL) after a delay spread
+        /// over `--kill-within-ms`, wherever its connect or echo is then;
+        /// those cycles count as killed, not as failures (0: none).
+        #[arg(long, default_value_t = 0)]
+        kill_every: u32,
+        /// The spread of the kill delays, milliseconds.
+        #[arg(long, default_value_t = 300)]
+        kill_within_ms: u64,
     },
 }
+
+/// A cycle whose child was killed before it ended (`--kill-every`).
+const KILLED: &str = "killed on purpose";
 
 /// How a cycle ended: `Ok(setup time)` or the failure's label.
 type Outcome = Result<Duration, String>;
@@ -133,10 +158,15 @@ async fn cycle(addr: SocketAddr, kind: Kind, round_trips: u32, seed: u32) -> Out
     }
 }
 
-/// One cycle in a fresh process of this binary.
-async fn cycle_in_process(addr: SocketAddr, args: &[String]) -> Outcome {
+/// One cycle in a fresh process of this binary; with `kill_after`, the
+/// child is killed (SIGKILL) that long after it started if it still runs.
+async fn cycle_in_process(
+    addr: SocketAddr,
+    args: &[String],
+    kill_after: Option<Duration>,
+) -> Outcome {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let out = tokio::process::Command::new(exe)
+    let mut child = tokio::process::Command::new(exe)
         .args([
             "client",
             &addr.to_string(),
@@ -146,9 +176,18 @@ async fn cycle_in_process(addr: SocketAddr, args: &[String]) -> Outcome {
             "1",
         ])
         .args(args)
-        .output()
-        .await
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
         .map_err(|e| e.to_string())?;
+    if let Some(after) = kill_after {
+        if tokio::time::timeout(after, child.wait()).await.is_err() {
+            child.start_kill().map_err(|e| e.to_string())?;
+            child.wait().await.map_err(|e| e.to_string())?;
+            return Err(KILLED.into());
+        }
+    }
+    let out = child.wait_with_output().await.map_err(|e| e.to_string())?;
     let text = String::from_utf8_lossy(&out.stdout);
     // The child's summary line: "setup_us <n>" on success.
     if let Some(us) = text
@@ -176,6 +215,8 @@ async fn client(
     processes: bool,
     round_trips: u32,
     child_args: Vec<String>,
+    kill_every: u32,
+    kill_within: Duration,
 ) -> bool {
     let sem = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1) as usize));
     let child_args = Arc::new(child_args);
@@ -185,8 +226,14 @@ async fn client(
         let permit = Arc::clone(&sem).acquire_owned().await.expect("semaphore");
         let child_args = Arc::clone(&child_args);
         tasks.push(tokio::spawn(async move {
+            // Delays spread over `kill_within` by a multiplicative hash of
+            // the cycle number (the same spread in every run).
+            let kill_after = (kill_every > 0 && i % kill_every == 0).then(|| {
+                let spread = kill_within.as_micros().max(1) as u64;
+                Duration::from_micros(u64::from(i).wrapping_mul(0x9E37_79B9) % spread)
+            });
             let r = if processes {
-                cycle_in_process(addr, &child_args).await
+                cycle_in_process(addr, &child_args, kill_after).await
             } else {
                 cycle(addr, kind, round_trips, i).await
             };
@@ -196,11 +243,13 @@ async fn client(
     }
     let mut hist = Histogram::<u64>::new(3).expect("histogram");
     let mut failures: BTreeMap<String, u32> = BTreeMap::new();
+    let mut killed = 0u32;
     for t in tasks {
         match t.await.expect("cycle task") {
             Ok(setup) => {
                 hist.record(setup.as_micros() as u64).ok();
             }
+            Err(l) if l == KILLED => killed += 1,
             Err(l) => *failures.entry(l).or_default() += 1,
         }
     }
@@ -214,10 +263,15 @@ async fn client(
         return failed == 0;
     }
     println!(
-        "{cycles} cycles ({concurrency} at once{}) in {:.1} s: {} ok, {failed} failed",
+        "{cycles} cycles ({concurrency} at once{}) in {:.1} s: {} ok, {failed} failed{}",
         if processes { ", a process each" } else { "" },
         t0.elapsed().as_secs_f64(),
-        cycles - failed
+        cycles - failed - killed,
+        if killed > 0 {
+            format!(", {killed} killed on purpose")
+        } else {
+            String::new()
+        }
     );
     for (l, n) in &failures {
         println!("  failed: {n} x {l}");
@@ -233,14 +287,42 @@ async fn client(
     failed == 0
 }
 
-async fn server(addr: SocketAddr, kind: Kind) -> std::io::Result<()> {
+async fn server(addr: SocketAddr, kind: Kind, report_secs: u64) -> std::io::Result<()> {
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    if report_secs > 0 {
+        let open = Arc::clone(&open);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(report_secs));
+            loop {
+                tick.tick().await;
+                println!(
+                    "connections {} resources {:?}",
+                    open.load(std::sync::atomic::Ordering::Relaxed),
+                    tokio_rdma::stats::resources()
+                );
+            }
+        });
+    }
+    // Counts one open connection until dropped.
+    struct Open(Arc<std::sync::atomic::AtomicUsize>);
+    impl Drop for Open {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    let opened = move || {
+        open.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Open(Arc::clone(&open))
+    };
     match kind {
         Kind::Stream => {
             let l = RdmaListener::bind(addr).await?;
             eprintln!("listening on {}", l.local_addr()?);
             loop {
                 let (mut s, _) = l.accept().await?;
+                let open = opened();
                 tokio::spawn(async move {
+                    let _open = open;
                     let (mut r, mut w) = s.split();
                     let _ = tokio::io::copy(&mut r, &mut w).await;
                     let _ = w.shutdown().await;
@@ -252,7 +334,9 @@ async fn server(addr: SocketAddr, kind: Kind) -> std::io::Result<()> {
             eprintln!("listening on {}", l.local_addr()?);
             loop {
                 let (ep, _) = l.accept().await?;
+                let open = opened();
                 tokio::spawn(async move {
+                    let _open = open;
                     while let Ok(Some(m)) = ep.recv().await {
                         if ep.send(m).await.is_err() {
                             break;
@@ -281,7 +365,11 @@ fn runtime(r: Runtime) -> tokio::runtime::Runtime {
 
 fn main() -> ExitCode {
     match Cli::parse().cmd {
-        Cmd::Server { addr, kind } => match runtime(Runtime::Multi).block_on(server(addr, kind)) {
+        Cmd::Server {
+            addr,
+            kind,
+            report_secs,
+        } => match runtime(Runtime::Multi).block_on(server(addr, kind, report_secs)) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("setup_stress server: {e}");
@@ -296,6 +384,8 @@ fn main() -> ExitCode {
             kind,
             processes,
             round_trips,
+            kill_every,
+            kill_within_ms,
         } => {
             let child_args = vec![
                 "--runtime".into(),
@@ -323,6 +413,8 @@ fn main() -> ExitCode {
                 processes,
                 round_trips,
                 child_args,
+                kill_every,
+                Duration::from_millis(kill_within_ms),
             ));
             if ok {
                 ExitCode::SUCCESS
