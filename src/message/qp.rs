@@ -25,8 +25,8 @@ use crate::remote::{GrantAccess, LocalRegion};
 use crate::verbs::ledger::{Ledger, PostedOp};
 use crate::verbs::mw::{MemoryWindow, WindowAccess};
 use crate::verbs::rc::{
-    BindTarget, MW_WR_FLAG, RECV_WR_FLAG, REMOTE_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr,
-    Sge,
+    BindTarget, MW_WR_FLAG, MrAccess, RECV_WR_FLAG, REMOTE_WR_FLAG, RcQueuePair, RegisteredBuffer,
+    SendOp, SendPayload, SendWr, Sge,
 };
 
 /// Send-queue slots kept for remote-memory work (one-sided operations,
@@ -70,6 +70,10 @@ pub(crate) struct MessageQp {
     /// up while one of them still names it (after the QP: freed once it is
     /// destroyed).
     ledger: Ledger<u64, Held>,
+    /// Registered scratch for RTS headers that do not go inline (32 bytes
+    /// per send-queue slot); `None` when every RTS goes inline. Held for
+    /// the QP's life (after it: deregistered once the QP is destroyed).
+    rts_scratch: Option<RegisteredBuffer>,
     send_depth: u64,
     /// Posted receive buffers by token.
     recv: HashMap<u64, PoolBuf>,
@@ -190,14 +194,25 @@ impl AsMut<RcQueuePair> for MessageQp {
 }
 
 impl MessageQp {
-    /// Wraps `qp`, whose send buffer must hold `send_depth * 32` bytes of RTS
-    /// scratch.
-    pub(crate) fn new(qp: RcQueuePair, send_depth: u16) -> Self {
-        MessageQp {
+    /// Wraps `qp`, with registered scratch for `send_depth` RTS headers
+    /// unless every RTS goes inline (`rts_inline`).
+    ///
+    /// # Errors
+    /// As [`RcQueuePair::register_buffer`] ([`Error::ResourceLimit`] at
+    /// RLIMIT_MEMLOCK).
+    pub(crate) fn new(qp: RcQueuePair, send_depth: u16, rts_inline: bool) -> Result<Self> {
+        let rts_scratch = if rts_inline {
+            None
+        } else {
+            let len = usize::from(send_depth.max(1)) * RTS_SLOT;
+            Some(qp.register_buffer(len, MrAccess::LocalWrite)?)
+        };
+        Ok(MessageQp {
             windows: Windows::default(),
             grant_windows: HashMap::new(),
             qp,
             ledger: Ledger::default(),
+            rts_scratch,
             send_depth: u64::from(send_depth.max(1)),
             recv: HashMap::new(),
             dests: HashMap::new(),
@@ -209,12 +224,7 @@ impl MessageQp {
             pending_revokes: Vec::new(),
             #[cfg(tokio_rdma_guest)]
             last_sge: None,
-        }
-    }
-
-    /// Scratch bytes a QP for `send_depth` needs (`RcSizes::send_buf`).
-    pub(crate) fn scratch_len(send_depth: u16) -> usize {
-        usize::from(send_depth.max(1)) * RTS_SLOT
+        })
     }
 
     pub(crate) fn qp_ref(&self) -> &RcQueuePair {
@@ -523,8 +533,8 @@ impl MessageQp {
                         // send_depth` is not in use by another WR.
                         let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
                         let scratch = self
-                            .qp
-                            .send_buf_mut()
+                            .rts_scratch
+                            .as_mut()
                             .ok_or_else(|| internal("message QP without its RTS scratch".into()))?;
                         scratch
                             .write_at(off, header)
