@@ -25,8 +25,8 @@ use crate::remote::{GrantAccess, LocalRegion};
 use crate::verbs::ledger::{Ledger, PostedOp};
 use crate::verbs::mw::{MemoryWindow, WindowAccess};
 use crate::verbs::rc::{
-    BindTarget, MW_WR_FLAG, MrAccess, RECV_WR_FLAG, REMOTE_WR_FLAG, RcQueuePair, RegisteredBuffer,
-    SendOp, SendPayload, SendWr, Sge,
+    BindTarget, MrAccess, RcQueuePair, RegisteredBuffer, SendOp, SendPayload, SendWr, Sge,
+    WcStatus, Work,
 };
 
 /// Send-queue slots kept for remote-memory work (one-sided operations,
@@ -87,7 +87,7 @@ pub(crate) struct MessageQp {
     /// Regions under a bound grant window, by grant id: kept alive until
     /// the window is invalidated or deallocated (after the QP).
     grant_regions: HashMap<u64, (LocalRegion, u64)>,
-    /// Next remote wr_id (with [`REMOTE_WR_FLAG`]).
+    /// Number of the last remote WR ([`Work::Remote`]).
     next_remote: u64,
     /// Tasks waiting for a remote slot.
     remote_waiters: Vec<Waker>,
@@ -103,7 +103,7 @@ struct RemoteOp {
     /// What it is.
     kind: RemoteKind,
     /// Its completion status, once polled.
-    status: Option<u32>,
+    status: Option<WcStatus>,
     /// The task waiting for it (none once its future was dropped).
     waker: Option<Waker>,
     /// The local buffer it reads (WRITE) or writes (READ, atomics), while
@@ -172,7 +172,7 @@ struct Windows {
     invalidating: HashMap<u64, (u64, MemoryWindow)>,
     /// Tokens whose message is done and whose window awaits its LOCAL_INV.
     to_invalidate: Vec<u64>,
-    /// Next wr_id (with [`MW_WR_FLAG`]) for a bind or an invalidation.
+    /// Number of the last bind or invalidation ([`Work::Window`]).
     next_wr: u64,
     /// Binds posted over the QP's life.
     binds: u64,
@@ -183,7 +183,7 @@ struct Windows {
 impl Windows {
     fn wr_id(&mut self) -> u64 {
         self.next_wr += 1;
-        MW_WR_FLAG | self.next_wr
+        Work::Window(self.next_wr).wr_id()
     }
 }
 
@@ -232,15 +232,15 @@ impl MessageQp {
     }
 
     /// Posts receive buffers (their whole capacity), keeping them until
-    /// [`take_recv`](Self::take_recv). The receive WR id is the token with
-    /// [`RECV_WR_FLAG`] set.
+    /// [`take_recv`](Self::take_recv); each receive WR is [`Work::Recv`]
+    /// of its token.
     pub(crate) fn post_recvs(&mut self, bufs: Vec<(u64, PoolBuf)>) -> Result<()> {
         let mut wrs = Vec::with_capacity(bufs.len());
         for (token, mut buf) in bufs {
             buf.clear();
             let len = u32::try_from(buf.capacity()).unwrap_or(u32::MAX);
             wrs.push((
-                RECV_WR_FLAG | token,
+                Work::Recv(token).wr_id(),
                 Sge {
                     addr: buf.addr(),
                     len,
@@ -256,10 +256,9 @@ impl MessageQp {
         unsafe { self.qp.post_recv_sges(&wrs) }
     }
 
-    /// The buffer of a completed (or flushed) receive WR, with its length
-    /// set to `byte_len` (clamped to its capacity).
-    pub(crate) fn take_recv(&mut self, wr_id: u64, byte_len: u32) -> Option<(u64, PoolBuf)> {
-        let token = wr_id & !RECV_WR_FLAG;
+    /// The buffer of the completed (or flushed) receive WR of `token`,
+    /// with its length set to `byte_len` (clamped to its capacity).
+    pub(crate) fn take_recv(&mut self, token: u64, byte_len: u32) -> Option<(u64, PoolBuf)> {
         let mut buf = self.recv.remove(&token)?;
         buf.set_len((byte_len as usize).min(buf.capacity()));
         Some((token, buf))
@@ -360,16 +359,16 @@ impl MessageQp {
         self.windows.binds
     }
 
-    /// A bind or invalidation of ours (wr_id with [`MW_WR_FLAG`]) completed
-    /// with `status`. A completed LOCAL_INV releases its message and frees
+    /// A bind or invalidation of ours ([`Work::Window`], posted with
+    /// `wr_id`) completed with `status`. A completed LOCAL_INV releases its message and frees
     /// its window for reuse. After a failure (the QP is in error, so the
     /// peer can use no key of it) the message stays held until the QP is
     /// torn down, windows first. Returns whether a message was released.
-    pub(crate) fn window_completed(&mut self, wr_id: u64, status: u32) -> bool {
+    pub(crate) fn window_completed(&mut self, wr_id: u64, status: WcStatus) -> bool {
         let Some((token, window)) = self.windows.invalidating.remove(&wr_id) else {
             return false;
         };
-        if status == 0 {
+        if status == WcStatus::Success {
             self.windows.free.push(window);
             self.retire_send(token)
         } else {
@@ -592,13 +591,15 @@ impl MessageQp {
                 }
             };
             let (op, posted) = op;
+            // The core's numbers are the wr_ids of its WRs.
+            let wr_id = Work::Core(t.wr_id).wr_id();
             wrs.push(SendWr {
-                wr_id: t.wr_id,
+                wr_id,
                 signaled: t.signaled,
                 solicited: t.solicited,
                 op,
             });
-            records.push((t.wr_id, posted, pin));
+            records.push((wr_id, posted, pin));
         }
         // SAFETY: every SGE names registered memory on this QP's PD that
         // outlives its WR: a message or destination whose token the ledger
@@ -630,7 +631,7 @@ impl MessageQp {
 impl MessageQp {
     fn remote_wr_id(&mut self) -> u64 {
         self.next_remote += 1;
-        REMOTE_WR_FLAG | self.next_remote
+        Work::Remote(self.next_remote).wr_id()
     }
 
     /// Remote-memory WRs posted and not known complete (those whose
@@ -778,7 +779,7 @@ impl MessageQp {
         &mut self,
         wr_id: u64,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<(u32, Option<PoolBuf>)>> {
+    ) -> Poll<Option<(WcStatus, Option<PoolBuf>)>> {
         let Some(op) = self.remote.get_mut(&wr_id) else {
             return Poll::Ready(None);
         };
@@ -830,7 +831,7 @@ impl MessageQp {
     /// completed (or whose bind or revocation failed, on a QP now in
     /// error) is deallocated and its region let go, and the waiting future
     /// is woken.
-    pub(crate) fn remote_completed(&mut self, wr_id: u64, status: u32) {
+    pub(crate) fn remote_completed(&mut self, wr_id: u64, status: WcStatus) {
         self.ledger.complete(wr_id);
         let Some(op) = self.remote.get_mut(&wr_id) else {
             return;
@@ -843,7 +844,7 @@ impl MessageQp {
         }
         match kind {
             RemoteKind::Revoke { grant } => self.drop_grant(grant),
-            RemoteKind::Bind { grant } if status != 0 => self.drop_grant(grant),
+            RemoteKind::Bind { grant } if status != WcStatus::Success => self.drop_grant(grant),
             _ => {}
         }
         if abandoned {

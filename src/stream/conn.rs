@@ -30,12 +30,9 @@ use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::stream::{RecvEvent, StreamCore, Transmit, TransmitKind};
 use crate::proto::{ProtocolError, WriteError};
 use crate::stats::{ConnectionStats, RemoteAccess};
-use crate::verbs::rc::{
-    Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RcQueuePair, RegisteredBuffer, WC_SUCCESS,
-    WC_WR_FLUSH_ERR, WcKind,
-};
+use crate::verbs::rc::{Completion, RcQueuePair, RegisteredBuffer, WcKind, WcStatus, Work};
 
-use super::qp::{RING_BIND_WR_ID, RingIsolation, RingWrite, StreamQp};
+use super::qp::{RING_BIND, RingIsolation, RingWrite, StreamQp};
 
 /// A stream connection: the core's shared connection around a
 /// [`StreamState`].
@@ -189,7 +186,7 @@ impl StreamState {
             TransmitKind::Control { imm } => (0, 0, 0, imm, false),
         };
         self.qp.post_write(RingWrite {
-            wr_id: t.wr_id,
+            work: Work::Core(t.wr_id),
             local_offset,
             len,
             // The peer's address is its own business: an address near
@@ -239,37 +236,38 @@ impl StreamState {
     /// Handles one completion. Returns the number of receive WRs to repost.
     fn on_completion(&mut self, wc: &Completion) -> u32 {
         self.stats.completions += 1;
-        if wc.status == WC_SUCCESS && wc.wr_id & MW_WR_FLAG != 0 && wc.wr_id & RECV_WR_FLAG == 0 {
-            // The verbs layer's own work (a window bind), not the core's.
+        if wc.ok() && matches!(wc.work, Work::Window(_) | Work::Probe) {
+            // The QP adapter's own work (a window bind) or a probe, not the
+            // core's.
             return 0;
         }
-        if wc.status != WC_SUCCESS {
-            if wc.status == WC_WR_FLUSH_ERR && (self.peer_gone || self.error.is_some()) {
+        if !wc.ok() {
+            if wc.status == WcStatus::Flushed && (self.peer_gone || self.error.is_some()) {
                 return 0;
             }
             self.peer_gone = true;
             self.core.on_connection_lost();
-            let op = match wc.kind {
-                _ if wc.wr_id == PROBE_WR_ID => "keepalive probe (zero-length RDMA WRITE)",
-                _ if wc.wr_id == RING_BIND_WR_ID => "BIND_MW (grown receive ring)",
-                WcKind::RecvImm | WcKind::Recv => "receive",
+            let op = match wc.work {
+                Work::Probe => "keepalive probe (zero-length RDMA WRITE)",
+                RING_BIND => "BIND_MW (grown receive ring)",
+                _ if matches!(wc.kind, WcKind::RecvImm | WcKind::Recv) => "receive",
                 _ => "RDMA WRITE WITH IMM",
             };
             self.fail(Error::WorkCompletion {
                 op,
-                status: wc.status,
+                status: wc.status.code(),
             });
             return 0;
         }
-        match wc.kind {
-            WcKind::Send => {
-                if let Err(e) = self.core.on_send_complete(wc.wr_id) {
+        match (wc.work, wc.kind) {
+            (Work::Core(wr_id), _) => {
+                if let Err(e) = self.core.on_send_complete(wr_id) {
                     self.protocol_error(e);
                 }
                 self.writers.wake_all();
                 0
             }
-            WcKind::RecvImm => {
+            (Work::Recv(_), WcKind::RecvImm) => {
                 self.stats.wrs_received += 1;
                 match self.core.on_recv(wc.imm) {
                     Ok(RecvEvent::Data { ring, offset, len }) => {
@@ -299,7 +297,7 @@ impl StreamState {
                 }
                 1
             }
-            WcKind::Recv | WcKind::Other => 0,
+            _ => 0,
         }
     }
 

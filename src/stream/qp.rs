@@ -28,8 +28,8 @@ use crate::verbs::events::CqEvents;
 use crate::verbs::ledger::{Ledger, PostedOp};
 use crate::verbs::mw::{MemoryWindow, WindowAccess};
 use crate::verbs::rc::{
-    BindTarget, Completion, MW_WR_FLAG, MrAccess, OpenDevice, RECV_WR_FLAG, RcQueuePair,
-    RegisteredBuffer, SendOp, SendPayload, SendWr, Sge,
+    BindTarget, Completion, MrAccess, OpenDevice, RcQueuePair, RegisteredBuffer, SendOp,
+    SendPayload, SendWr, Sge, WcStatus, Work,
 };
 
 /// Bytes of idle stream send buffers each device keeps registered for
@@ -38,12 +38,11 @@ use crate::verbs::rc::{
 /// response, while thousands of idle connections pin none.
 pub(crate) const SEND_BUFFER_CACHE_BYTES: usize = 4 << 20;
 
-/// The wr_id of a grown ring's window bind ([`StreamQp::add_ring`]).
-pub(crate) const RING_BIND_WR_ID: u64 = MW_WR_FLAG | 2;
+/// A grown ring's window bind ([`StreamQp::add_ring`]).
+pub(crate) const RING_BIND: Work = Work::Window(2);
 
-/// The wr_id of the handshake ring's window bind
-/// ([`StreamQp::bind_ring_window`]).
-const FIRST_RING_BIND_WR_ID: u64 = MW_WR_FLAG;
+/// The handshake ring's window bind ([`StreamQp::bind_ring_window`]).
+const FIRST_RING_BIND: Work = Work::Window(0);
 
 /// Idle send buffers on one device's shared protection domain (PD), kept
 /// for the next stream on it that has data to send (at most
@@ -126,7 +125,7 @@ struct GrownRing {
 /// to `remote_addr` with `rkey`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RingWrite {
-    pub wr_id: u64,
+    pub work: Work,
     pub local_offset: u32,
     pub len: u32,
     pub remote_addr: u64,
@@ -401,7 +400,7 @@ impl StreamQp {
                 // window first.
                 let rkey = unsafe {
                     self.qp.post_bind_mw(
-                        RING_BIND_WR_ID,
+                        RING_BIND.wr_id(),
                         &mut window,
                         target,
                         WindowAccess::RemoteWrite,
@@ -465,7 +464,7 @@ impl StreamQp {
             return Err(Error::Internal("a ring window without a ring".into()));
         };
         let (addr, len, mr) = (ring.addr(), ring.len() as u64, ring.raw_mr() as usize);
-        let wr_id = FIRST_RING_BIND_WR_ID;
+        let wr_id = FIRST_RING_BIND.wr_id();
         let want = window.next_rkey();
         // SAFETY: `mr` is the live MR of the ring (registered with MW_BIND
         // and LOCAL_WRITE on this QP's PD), which lives as long as this
@@ -489,11 +488,11 @@ impl StreamQp {
         loop {
             wcs.clear();
             self.poll(&mut wcs)?;
-            if let Some(wc) = wcs.iter().find(|wc| wc.wr_id == wr_id) {
-                if wc.status != 0 {
+            if let Some(wc) = wcs.iter().find(|wc| wc.work == FIRST_RING_BIND) {
+                if wc.status != WcStatus::Success {
                     return Err(Error::WorkCompletion {
                         op: "BIND_MW",
-                        status: wc.status,
+                        status: wc.status.code(),
                     });
                 }
                 return Ok(());
@@ -554,8 +553,9 @@ impl StreamQp {
                 (SendPayload::Sge(sge), Some(self.send_buf_id))
             }
         };
+        let wr_id = w.work.wr_id();
         let wr = SendWr {
-            wr_id: w.wr_id,
+            wr_id,
             signaled: w.signaled,
             solicited: true,
             op: SendOp::WriteImm {
@@ -577,7 +577,7 @@ impl StreamQp {
         let posted = unsafe { self.qp.post_send_batch(std::slice::from_ref(&wr)) };
         // A single WR is taken whole or not at all.
         if posted.is_ok() {
-            self.ledger.record(w.wr_id, PostedOp::Write, pin);
+            self.ledger.record(wr_id, PostedOp::Write, pin);
         }
         self.inline_scratch = tmp;
         posted
@@ -594,8 +594,8 @@ impl StreamQp {
         let start = out.len();
         let polled = self.qp.poll(out);
         for wc in &out[start..] {
-            if wc.wr_id & RECV_WR_FLAG == 0 {
-                self.ledger.complete(wc.wr_id);
+            if !matches!(wc.work, Work::Recv(_)) {
+                self.ledger.complete(wc.wr_id());
             }
         }
         polled
@@ -607,7 +607,7 @@ impl StreamQp {
     pub(crate) fn forge_ring_write(&mut self, remote_addr: u64, rkey: u32, len: u32) -> Result<()> {
         self.ensure_send_buf()?;
         self.post_write(RingWrite {
-            wr_id: MW_WR_FLAG | 0xF0,
+            work: Work::Window(0xF0),
             local_offset: 0,
             len,
             remote_addr,

@@ -426,12 +426,115 @@ pub(crate) enum WcKind {
     Other,
 }
 
-/// One work completion, copied out of the CQ.
+/// Whose work request (WR) a completion reports, decoded once from its
+/// wr_id (in [`Completion::from_wc`]). A QP adapter numbers its WRs in
+/// these spaces and posts them with [`Work::wr_id`]; nothing above the
+/// verbs layer reads wr_id bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Work {
+    /// A send-queue WR numbered by the protocol core (below 2^60).
+    Core(u64),
+    /// A receive WR: its token (0 for a stream's zero-length receives).
+    Recv(u64),
+    /// A memory-window bind or invalidation posted by a QP adapter.
+    Window(u64),
+    /// A keepalive probe ([`RcQueuePair::post_probe`]).
+    Probe,
+    /// Remote-memory work (`crate::remote`: one-sided operations, grant
+    /// binds and revocations): its completion goes to the waiting
+    /// operation, not the protocol core.
+    Remote(u64),
+}
+
+/// Receive WRs carry this wr_id bit, so send and receive completions are
+/// told apart even on providers that report odd opcodes on errors.
+const RECV_BIT: u64 = 1 << 63;
+/// Memory-window binds and invalidations, and the keepalive probe.
+const WINDOW_BIT: u64 = 1 << 62;
+/// The keepalive probe (with [`WINDOW_BIT`]).
+const PROBE_WR_ID: u64 = WINDOW_BIT | (1 << 61);
+/// Remote-memory work.
+const REMOTE_BIT: u64 = 1 << 60;
+/// The bits that name a [`Work`] space.
+const SPACE_BITS: u64 = RECV_BIT | WINDOW_BIT | REMOTE_BIT;
+
+impl Work {
+    /// The wr_id to post this WR with. A number must stay below 2^60: the
+    /// protocol core's and the adapters' are counters.
+    pub(crate) fn wr_id(self) -> u64 {
+        let (bit, n) = match self {
+            Work::Core(n) => (0, n),
+            Work::Recv(n) => (RECV_BIT, n),
+            Work::Window(n) => (WINDOW_BIT, n),
+            Work::Probe => return PROBE_WR_ID,
+            Work::Remote(n) => (REMOTE_BIT, n),
+        };
+        debug_assert_eq!(
+            n & (SPACE_BITS | PROBE_WR_ID),
+            0,
+            "{self:?} out of its space"
+        );
+        bit | n
+    }
+
+    /// The WR a completion's wr_id names.
+    pub(crate) fn of_wr_id(wr_id: u64) -> Work {
+        if wr_id & RECV_BIT != 0 {
+            Work::Recv(wr_id & !RECV_BIT)
+        } else if wr_id == PROBE_WR_ID {
+            Work::Probe
+        } else if wr_id & WINDOW_BIT != 0 {
+            Work::Window(wr_id & !WINDOW_BIT)
+        } else if wr_id & REMOTE_BIT != 0 {
+            Work::Remote(wr_id & !REMOTE_BIT)
+        } else {
+            Work::Core(wr_id)
+        }
+    }
+}
+
+/// How a WR ended (`ibv_wc_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WcStatus {
+    /// `IBV_WC_SUCCESS`.
+    Success,
+    /// `IBV_WC_WR_FLUSH_ERR`: flushed because its QP is in the error state
+    /// (the NIC no longer touches its memory).
+    Flushed,
+    /// Any other failure, with its `ibv_wc_status` code.
+    Failed(u32),
+}
+
+impl WcStatus {
+    /// `IBV_WC_SUCCESS`.
+    const SUCCESS: u32 = 0;
+    /// `IBV_WC_WR_FLUSH_ERR`.
+    const WR_FLUSH_ERR: u32 = 5;
+
+    pub(crate) fn from_code(code: u32) -> WcStatus {
+        match code {
+            Self::SUCCESS => WcStatus::Success,
+            Self::WR_FLUSH_ERR => WcStatus::Flushed,
+            other => WcStatus::Failed(other),
+        }
+    }
+
+    /// The `ibv_wc_status` code, for errors.
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            WcStatus::Success => Self::SUCCESS,
+            WcStatus::Flushed => Self::WR_FLUSH_ERR,
+            WcStatus::Failed(code) => code,
+        }
+    }
+}
+
+/// One work completion, copied out of the CQ, its wr_id decoded.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Completion {
-    pub wr_id: u64,
-    /// `IBV_WC_SUCCESS` (0) or the failure status (`ibv_wc_status`).
-    pub status: u32,
+    /// The WR it reports.
+    pub work: Work,
+    pub status: WcStatus,
     pub kind: WcKind,
     /// Immediate data in host byte order (RecvImm and Recv).
     pub imm: u32,
@@ -453,12 +556,23 @@ impl Completion {
         // reading initialised plain data.
         let imm = unsafe { wc.imm_data_invalidated_rkey_union.imm_data };
         Completion {
-            wr_id: wc.wr_id,
-            status: wc.status,
+            work: Work::of_wr_id(wc.wr_id),
+            status: WcStatus::from_code(wc.status),
             kind,
             imm: u32::from_be(imm),
             byte_len: wc.byte_len,
         }
+    }
+
+    /// The wr_id it was posted with (the key a QP adapter's ledger and
+    /// maps use; for logs).
+    pub(crate) fn wr_id(&self) -> u64 {
+        self.work.wr_id()
+    }
+
+    /// Whether it completed without error.
+    pub(crate) fn ok(&self) -> bool {
+        self.status == WcStatus::Success
     }
 }
 
@@ -539,21 +653,6 @@ pub(crate) enum SendOp<'a> {
     },
 }
 
-/// Remote-memory operations and grants (`crate::remote`) carry this wr_id
-/// bit: their completions go to the waiting operation, not the protocol
-/// core.
-pub(crate) const REMOTE_WR_FLAG: u64 = 1 << 60;
-
-/// `IBV_WC_SUCCESS`: a completion without error.
-pub(crate) const WC_SUCCESS: u32 = 0;
-/// `IBV_WC_WR_FLUSH_ERR`: a WR flushed because its QP is in the error
-/// state (the NIC no longer touches its memory).
-pub(crate) const WC_WR_FLUSH_ERR: u32 = 5;
-
-/// Receive WRs carry this wr_id bit so send and receive completions are
-/// told apart even on providers that report odd opcodes on errors.
-pub(crate) const RECV_WR_FLAG: u64 = 1 << 63;
-
 /// An RC QP and its CQ (reporting to a completion channel of its own or
 /// its runtime's, see [`super::events`]).
 pub(crate) struct RcQueuePair {
@@ -585,14 +684,6 @@ pub(crate) struct BindTarget {
     pub addr: u64,
     pub len: u64,
 }
-
-/// Work requests the verbs layer posts for itself (memory-window binds and
-/// invalidations) carry this wr_id bit, so runtimes tell them apart from
-/// their own.
-pub(crate) const MW_WR_FLAG: u64 = 1 << 62;
-
-/// The wr_id of a keepalive probe ([`RcQueuePair::post_probe`]).
-pub(crate) const PROBE_WR_ID: u64 = MW_WR_FLAG | (1 << 61);
 
 impl RcQueuePair {
     /// Creates the CQ (on a completion channel of its own, or the current
@@ -853,7 +944,7 @@ impl RcQueuePair {
     /// # Errors
     /// [`Error::Verbs`] with the errno if posting fails.
     pub(crate) fn post_probe(&mut self) -> Result<()> {
-        let mut wr = Self::raw_send_wr(PROBE_WR_ID, ibv_wr_opcode::IBV_WR_RDMA_WRITE, true);
+        let mut wr = Self::raw_send_wr(Work::Probe.wr_id(), ibv_wr_opcode::IBV_WR_RDMA_WRITE, true);
         // SAFETY: no SGEs: the WR names no memory.
         unsafe { self.post_raw(&mut wr, "ibv_post_send (keepalive probe)") }?;
         self.probe_outstanding = true;
@@ -890,7 +981,7 @@ impl RcQueuePair {
         }
         let mut guard = self.qp.start_post_recv();
         for _ in 0..n {
-            guard.construct_wr(RECV_WR_FLAG);
+            guard.construct_wr(Work::Recv(0).wr_id());
         }
         guard.post().map_err(|e| Error::Verbs {
             op: "ibv_post_recv",
@@ -1029,7 +1120,7 @@ impl RcQueuePair {
     pub(crate) fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
         let start = out.len();
         let polled = self.cq.poll(self.qp_num, out);
-        if out[start..].iter().any(|wc| wc.wr_id == PROBE_WR_ID) {
+        if out[start..].iter().any(|wc| wc.work == Work::Probe) {
             self.probe_outstanding = false;
         }
         polled
@@ -1083,5 +1174,40 @@ impl Drop for RcQueuePair {
             // owns this value, which drops it first (field order).
             unsafe { ManuallyDrop::drop(qp) }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{WcStatus, Work};
+
+    #[test]
+    fn every_work_space_decodes_to_itself() {
+        for n in [0, 1, 2, 0xF0, (1 << 60) - 1] {
+            for w in [
+                Work::Core(n),
+                Work::Recv(n),
+                Work::Window(n),
+                Work::Remote(n),
+            ] {
+                assert_eq!(Work::of_wr_id(w.wr_id()), w, "{w:?}");
+            }
+        }
+        assert_eq!(Work::of_wr_id(Work::Probe.wr_id()), Work::Probe);
+        assert_eq!(
+            Work::Core(7).wr_id(),
+            7,
+            "the core's numbers are its wr_ids"
+        );
+    }
+
+    #[test]
+    fn status_codes_round_trip() {
+        assert_eq!(WcStatus::from_code(0), WcStatus::Success);
+        assert_eq!(WcStatus::from_code(5), WcStatus::Flushed);
+        assert_eq!(WcStatus::from_code(12), WcStatus::Failed(12));
+        for code in 0..32 {
+            assert_eq!(WcStatus::from_code(code).code(), code);
+        }
     }
 }
