@@ -917,7 +917,6 @@ impl MsgConn {
             token,
             len: msg.len() as u64,
             addr: msg.addr(),
-            rkey: msg.rkey(),
         };
         st.qp.add_send(token, msg);
         if let Err(e) = st.core.send(out) {
@@ -1045,13 +1044,9 @@ impl MsgConn {
     pub(crate) fn send_forged_rts(&self, len: u64, addr: u64, rkey: u32) -> io::Result<()> {
         let mut st = self.lock();
         let token = st.token();
+        st.qp.forge_rts(token, rkey);
         st.core
-            .send(OutboundMessage {
-                token,
-                len,
-                addr,
-                rkey,
-            })
+            .send(OutboundMessage { token, len, addr })
             .map_err(io::Error::other)?;
         st.settle();
         // Its drain may have held READs back.

@@ -96,6 +96,10 @@ pub(crate) struct MessageQp {
     pending_revokes: Vec<u64>,
     #[cfg(tokio_rdma_guest)]
     last_sge: Option<PostedSge>,
+    /// The keys of forged RTSs by token (test hook for a misbehaving
+    /// peer: announcements of memory this side does not own).
+    #[cfg(tokio_rdma_guest)]
+    forged_rts: HashMap<u64, u32>,
 }
 
 /// One remote-memory WR in flight.
@@ -224,6 +228,8 @@ impl MessageQp {
             pending_revokes: Vec::new(),
             #[cfg(tokio_rdma_guest)]
             last_sge: None,
+            #[cfg(tokio_rdma_guest)]
+            forged_rts: HashMap::new(),
         })
     }
 
@@ -408,9 +414,16 @@ impl MessageQp {
     #[cfg(not(tokio_rdma_guest))]
     fn note_sge(&mut self, _sge: Sge) {}
 
+    /// The RTS of message `token` (not one of ours) goes out with `rkey`
+    /// (test hook).
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn forge_rts(&mut self, token: u64, rkey: u32) {
+        self.forged_rts.insert(token, rkey);
+    }
+
     /// Invalidates the windows of finished messages (signaled LOCAL_INVs),
-    /// binds a window for each RTS in `batch` and writes its key into the
-    /// header; returns the headers to post, in batch order.
+    /// binds a window for each RTS in `batch` and encodes its header with
+    /// the window's key; returns the headers to post, in batch order.
     fn prepare_windows(&mut self, batch: &[MsgTransmit]) -> Result<Vec<[u8; RTS_HEADER_LEN]>> {
         for token in std::mem::take(&mut self.windows.to_invalidate) {
             let Some(window) = self.windows.bound.remove(&token) else {
@@ -424,14 +437,19 @@ impl MessageQp {
         }
         let mut headers = Vec::new();
         for t in batch {
-            let MsgTransmitKind::Rts { token, header, .. } = &t.kind else {
+            let &MsgTransmitKind::Rts {
+                token, len, addr, ..
+            } = &t.kind
+            else {
                 continue;
             };
-            let Some(msg) = self.sending.get(token) else {
-                // Not a message of ours (the test hook's forged RTS): its
-                // header goes out as it is.
-                headers.push(*header);
+            #[cfg(tokio_rdma_guest)]
+            if let Some(rkey) = self.forged_rts.remove(&token) {
+                headers.push(RtsHeader { len, addr, rkey }.encode());
                 continue;
+            }
+            let Some(msg) = self.sending.get(&token) else {
+                return Err(internal(format!("an RTS of unknown message {token}")));
             };
             let mr = msg.raw_mr();
             if mr == 0 {
@@ -439,7 +457,7 @@ impl MessageQp {
                     "message {token} has no memory region to bind a window on"
                 )));
             }
-            let (addr, len) = (msg.addr(), msg.len() as u64);
+            debug_assert_eq!((addr, len), (msg.addr(), msg.len() as u64));
             let mut window = match self.windows.free.pop() {
                 Some(w) => w,
                 None => MemoryWindow::alloc(self.qp.device())?,
@@ -468,11 +486,8 @@ impl MessageQp {
             };
             self.windows.binds += 1;
             self.windows.last = Some((addr, len, rkey));
-            self.windows.bound.insert(*token, window);
-            let mut h = RtsHeader::decode(header)
-                .ok_or_else(|| internal("the core built a short RTS header".into()))?;
-            h.rkey = rkey;
-            headers.push(h.encode());
+            self.windows.bound.insert(token, window);
+            headers.push(RtsHeader { len, addr, rkey }.encode());
         }
         Ok(headers)
     }

@@ -597,9 +597,6 @@ pub struct OutboundMessage {
     pub len: u64,
     /// Virtual address of the buffer's first byte (used for rendezvous).
     pub addr: u64,
-    /// rkey of the memory region holding the buffer, registered for remote
-    /// READ (used for rendezvous).
-    pub rkey: u32,
 }
 
 /// A WR to post, from [`MessageCore::poll_transmit`].
@@ -633,15 +630,17 @@ pub enum MsgTransmitKind {
         /// Post with `IBV_SEND_INLINE` (`len <= inline_threshold`).
         inline: bool,
     },
-    /// SEND WITH IMMEDIATE of the 20-byte `header` (an [`RtsHeader`]); when
-    /// not `inline` the runtime copies it into registered scratch memory
-    /// first.
+    /// SEND WITH IMMEDIATE of a 20-byte [`RtsHeader`] announcing `len`
+    /// bytes at `addr`: the runtime binds a memory window over the message
+    /// and sends the header with the window's key; when not `inline` it
+    /// copies the header into registered scratch memory first.
     Rts {
-        /// The message's token (the runtime binds a memory window over it
-        /// and writes the window's key into `header`).
+        /// The message's token.
         token: u64,
-        /// The encoded [`RtsHeader`].
-        header: [u8; RTS_HEADER_LEN],
+        /// Message length in bytes.
+        len: u64,
+        /// Virtual address of the message's first byte.
+        addr: u64,
         /// Immediate data (host order): [`MsgImm::Rts`].
         imm: u32,
         /// Post with `IBV_SEND_INLINE` (`inline_threshold >= 20`).
@@ -1635,15 +1634,10 @@ impl MessageCore {
                 self.stats.messages_sent += 1;
                 self.stats.bytes_sent += m.len;
                 self.stats.rendezvous_sent += 1;
-                let header = RtsHeader {
-                    len: m.len,
-                    addr: m.addr,
-                    rkey: m.rkey,
-                }
-                .encode();
                 let kind = MsgTransmitKind::Rts {
                     token: m.token,
-                    header,
+                    len: m.len,
+                    addr: m.addr,
                     imm: MsgImm::Rts { seq }.encode(),
                     inline: RTS_HEADER_LEN as u32 <= self.p.inline_threshold,
                 };
