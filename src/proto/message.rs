@@ -134,6 +134,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 
 use crate::proto::handshake::{MAX_RECV_DEPTH, MIN_RECV_DEPTH};
+use crate::proto::sendq::SendQueue;
 
 /// Receive-buffer credits at the peer that EAGER and RTS may not use: 2.
 /// They are kept for CREDIT and DONE, so credit can always flow back.
@@ -870,12 +871,6 @@ enum WrKind {
     Close,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Outstanding {
-    wr_id: u64,
-    kind: WrKind,
-}
-
 /// A received data message, waiting for the application.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Inbound {
@@ -942,9 +937,9 @@ pub struct MessageCore {
     rts_outstanding: VecDeque<(u32, u64)>,
     next_rts_seq: u32,
     peer_credit: u16,
-    next_wr_id: u64,
-    outstanding: VecDeque<Outstanding>,
-    unsignaled_run: u16,
+    /// Posted send-queue WRs not known complete, with what each one's
+    /// completion means.
+    sendq: SendQueue<WrKind>,
 
     // Receive side.
     /// Data messages received and not taken, arrival order.
@@ -1103,9 +1098,7 @@ impl MessageCore {
             rts_outstanding: VecDeque::new(),
             next_rts_seq: 0,
             peer_credit: p.peer_recv_initial,
-            next_wr_id: 1,
-            outstanding: VecDeque::new(),
-            unsignaled_run: 0,
+            sendq: SendQueue::default(),
             reads_held: false,
             inbox: VecDeque::new(),
             inbox_base: 0,
@@ -1190,7 +1183,7 @@ impl MessageCore {
     /// peer's credit or a rendezvous slot waits for the peer's CREDIT or
     /// DONE instead, which are receives.
     pub fn awaits_send_completion(&self) -> bool {
-        let slot_bound = self.outstanding.len() >= usize::from(self.p.send_queue_depth)
+        let slot_bound = self.sendq.len() >= usize::from(self.p.send_queue_depth)
             && self.next_action_any_slot().is_some();
         let reads = self.reading.iter().any(|r| r.issued > r.completed);
         slot_bound || reads || self.close != CloseState::Open || self.local_abort.is_some()
@@ -1264,7 +1257,7 @@ impl MessageCore {
 
     /// WRs posted and not completed.
     pub fn outstanding_wrs(&self) -> usize {
-        self.outstanding.len()
+        self.sendq.len()
     }
 
     /// Aborts the endpoint: queued messages are dropped (their tokens come
@@ -1333,7 +1326,7 @@ impl MessageCore {
     /// outstanding: the runtime disconnects without it, as before CLOSE
     /// existed.
     pub fn close_blocked(&self) -> bool {
-        self.close_ready() && self.peer_credit == 0 && self.outstanding.is_empty()
+        self.close_ready() && self.peer_credit == 0 && self.sendq.is_empty()
     }
 
     /// True once the peer's CLOSE arrived: what arrived before it is
@@ -1346,11 +1339,11 @@ impl MessageCore {
         let mut tokens = Vec::new();
         tokens.extend(self.queue.drain(..).map(|m| m.token));
         self.queued_bytes = 0;
-        for w in &mut self.outstanding {
-            if let WrKind::Eager { token } = w.kind {
+        for kind in self.sendq.items_mut() {
+            if let WrKind::Eager { token } = *kind {
                 tokens.push(token);
             }
-            w.kind = WrKind::Plain;
+            *kind = WrKind::Plain;
         }
         tokens.extend(self.rts_outstanding.drain(..).map(|(_, t)| t));
         for m in self.inbox.drain(..) {
@@ -1501,7 +1494,7 @@ impl MessageCore {
     }
 
     fn next_action(&self) -> Option<Action> {
-        if self.outstanding.len() >= usize::from(self.p.send_queue_depth) {
+        if self.sendq.len() >= usize::from(self.p.send_queue_depth) {
             return None;
         }
         self.next_action_any_slot()
@@ -1521,7 +1514,7 @@ impl MessageCore {
             self.stats.rendezvous_stalls += 1;
         }
         self.rdv_stalled = rdv;
-        let sq = self.outstanding.len() >= usize::from(self.p.send_queue_depth)
+        let sq = self.sendq.len() >= usize::from(self.p.send_queue_depth)
             && self.next_action_any_slot().is_some();
         if sq && !self.sq_stalled {
             self.stats.send_queue_stalls += 1;
@@ -1658,20 +1651,16 @@ impl MessageCore {
         if matches!(kind, MsgTransmitKind::Control { .. }) {
             self.stats.control_sent += 1;
         }
-        let wr_id = self.next_wr_id;
-        self.next_wr_id += 1;
-        self.outstanding.push_back(Outstanding {
-            wr_id,
-            kind: wr_kind,
-        });
-        let signaled = always_signal
-            || self.unsignaled_run + 1 >= self.p.signal_interval
-            || self.next_action().is_none();
+        let wr_id = self.sendq.push(wr_kind);
+        // Signaled when due, when the core must, and for the last WR of a
+        // burst (asked after the push: a full send queue ends the burst).
+        let signaled = self.sendq.signaled(
+            always_signal
+                || self.sendq.signal_due(self.p.signal_interval)
+                || self.next_action().is_none(),
+        );
         if signaled {
-            self.unsignaled_run = 0;
             self.stats.signaled += 1;
-        } else {
-            self.unsignaled_run += 1;
         }
         self.stats.wrs_posted += 1;
         Some(MsgTransmit {
@@ -1693,19 +1682,9 @@ impl MessageCore {
     /// [`MessageError::UnknownWrId`] if `wr_id` is not outstanding; nothing
     /// changes then.
     pub fn on_send_complete(&mut self, wr_id: u64) -> Result<(), MessageError> {
-        let (Some(first), Some(last)) = (self.outstanding.front(), self.outstanding.back()) else {
-            return Err(MessageError::UnknownWrId {
-                wr_id,
-                outstanding: None,
-            });
-        };
-        let (first, last) = (first.wr_id, last.wr_id);
-        if wr_id < first || wr_id > last {
-            return Err(MessageError::UnknownWrId {
-                wr_id,
-                outstanding: Some((first, last)),
-            });
-        }
+        self.sendq
+            .check(wr_id)
+            .map_err(|outstanding| MessageError::UnknownWrId { wr_id, outstanding })?;
         self.complete_through(wr_id);
         Ok(())
     }
@@ -1725,11 +1704,8 @@ impl MessageCore {
 
     /// Completes every outstanding WR up to and including `wr_id`.
     fn complete_through(&mut self, wr_id: u64) {
-        while self.outstanding.front().is_some_and(|o| o.wr_id <= wr_id) {
-            let Some(done) = self.outstanding.pop_front() else {
-                break;
-            };
-            match done.kind {
+        while let Some(kind) = self.sendq.pop_done(wr_id) {
+            match kind {
                 WrKind::Plain => {}
                 WrKind::Eager { token } => self.events.push_back(MsgEvent::SendDone { token }),
                 WrKind::Read { seq, len } => self.read_completed(seq, len),
@@ -2060,7 +2036,7 @@ impl MessageCore {
                     && self.reading.is_empty()
             }
         };
-        queued_done && self.outstanding.is_empty()
+        queued_done && self.sendq.is_empty()
     }
 
     /// True after [`abort`](MessageCore::abort), a protocol error, or the

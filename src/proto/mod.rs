@@ -30,6 +30,7 @@ pub mod error;
 pub mod handshake;
 pub mod imm;
 pub mod message;
+pub mod sendq;
 pub mod stream;
 
 #[cfg(test)]
