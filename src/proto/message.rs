@@ -740,11 +740,6 @@ impl Delivery {
         }
     }
 
-    /// True for an empty message.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// The token of the buffer holding the message.
     pub fn token(&self) -> u64 {
         match *self {
@@ -1244,11 +1239,13 @@ impl MessageCore {
         }
     }
 
+    #[cfg(test)]
     /// Rendezvous posted whose DONE has not arrived.
     pub fn rendezvous_outstanding(&self) -> usize {
         self.rts_outstanding.len()
     }
 
+    #[cfg(test)]
     /// Receive-buffer credits at the peer (including the
     /// [`CONTROL_RESERVE`]).
     pub fn peer_credit(&self) -> u16 {
@@ -1419,6 +1416,7 @@ impl MessageCore {
         self.p.recv_depth - self.reserved
     }
 
+    #[cfg(test)]
     /// Receive slots still reserved (no buffer yet).
     pub fn recv_reserved(&self) -> u16 {
         self.reserved
@@ -2004,6 +2002,7 @@ impl MessageCore {
         )
     }
 
+    #[cfg(test)]
     /// Messages received (complete or not) and not yet taken.
     pub fn pending_recv(&self) -> usize {
         self.inbox.len()
@@ -2039,17 +2038,20 @@ impl MessageCore {
         queued_done && self.sendq.is_empty()
     }
 
+    #[cfg(test)]
     /// True after [`abort`](MessageCore::abort), a protocol error, or the
     /// peer's ABORT.
     pub fn is_aborted(&self) -> bool {
         self.local_abort.is_some() || self.peer_abort.is_some()
     }
 
+    #[cfg(test)]
     /// This side's abort code, if it aborted.
     pub fn local_abort_code(&self) -> Option<u32> {
         self.local_abort.map(|(code, _)| code)
     }
 
+    #[cfg(test)]
     /// The peer's abort code, if its ABORT arrived.
     pub fn peer_abort_code(&self) -> Option<u32> {
         self.peer_abort

@@ -134,10 +134,6 @@ pub const CONTROL_RESERVE: u16 = 2;
 /// the multi-thread runtime; benches/README.md.)
 pub const GROW_AFTER_FILLS: u16 = 4;
 
-/// ABORT code used for aborts requested by the application. Codes 1..=10
-/// are protocol errors ([`ProtocolError::abort_code`]).
-pub const ABORT_CODE_APPLICATION: u32 = 0;
-
 /// Configuration of one byte stream, validated by [`StreamCore::new`].
 ///
 /// `ring_len`/`recv_depth` are what this side advertised in its `Hello`;
@@ -225,6 +221,7 @@ pub enum TransmitKind {
 }
 
 impl TransmitKind {
+    #[cfg(test)]
     /// The immediate data to post (host order).
     pub fn imm(&self) -> u32 {
         match *self {
@@ -981,6 +978,7 @@ impl StreamCore {
         self.sendq.len()
     }
 
+    #[cfg(test)]
     /// Ring bytes this side may still write at the peer now (byte credit).
     pub fn peer_bytes_credit(&self) -> u32 {
         self.peer_bytes_credit
@@ -992,6 +990,7 @@ impl StreamCore {
         self.peer_ring_gen
     }
 
+    #[cfg(test)]
     /// Receive WRs this side may still consume at the peer now (WR credit,
     /// including the [`CONTROL_RESERVE`]).
     pub fn peer_wr_credit(&self) -> u16 {
@@ -1265,6 +1264,7 @@ impl StreamCore {
         self.old_ring.map_or(self.ring_gen, |old| old.generation)
     }
 
+    #[cfg(test)]
     /// Where the oldest received, unconsumed bytes lie, in arrival order:
     /// in the local ring of generation
     /// [`readable_generation`](StreamCore::readable_generation),
@@ -1279,6 +1279,7 @@ impl StreamCore {
         }
     }
 
+    #[cfg(test)]
     /// Generation of the ring [`readable`](StreamCore::readable) describes:
     /// the oldest ring in use ([`oldest_ring`](StreamCore::oldest_ring)),
     /// since the oldest ring is read first.
@@ -1354,11 +1355,13 @@ impl StreamCore {
         self.local_abort.is_some() || self.peer_abort.is_some()
     }
 
+    #[cfg(test)]
     /// The code of the peer's ABORT, if one arrived.
     pub fn peer_abort_code(&self) -> Option<u32> {
         self.peer_abort
     }
 
+    #[cfg(test)]
     /// The code of this side's abort, if [`abort`](StreamCore::abort) was
     /// called or a protocol error aborted the connection.
     pub fn local_abort_code(&self) -> Option<u32> {
