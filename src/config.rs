@@ -301,7 +301,8 @@ impl RdmaConfig {
         }
     }
 
-    /// Sizes of a byte stream's QP and registered buffers with this config.
+    /// Sizes of a byte stream's QP with this config (its registered
+    /// buffers are the stream QP adapter's: `stream::qp`).
     pub(crate) fn stream_sizes(&self) -> RcSizes {
         RcSizes {
             // Two slots beyond the core's WRs: the keepalive probe and the
@@ -309,9 +310,9 @@ impl RdmaConfig {
             send_depth: u32::from(self.send_queue_depth) + 2,
             recv_depth: u32::from(self.recv_queue_depth),
             max_inline: self.inline_threshold,
-            send_buf: self.send_buffer_size as usize,
-            send_buf_on_demand: true,
-            recv_ring: self.ring_size as usize,
+            // The ring is opened by the MR's own key where windows are
+            // missing: only this QP may use it.
+            own_pd_without_windows: true,
             share_cq: self.share_completion_queue,
         }
     }

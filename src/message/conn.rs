@@ -29,13 +29,9 @@ use crate::proto::message::{
     MsgTransmit, MsgTransmitKind, OutboundMessage, RecvDisposition, SendError, abort_code_reason,
 };
 use crate::remote::{GrantAccess, LocalRegion};
-use crate::verbs::rc::{
-    Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, REMOTE_WR_FLAG, RcQueuePair,
-};
+use crate::verbs::rc::{Completion, RcQueuePair, WcStatus, Work};
 
 use super::qp::RemoteWr;
-
-use crate::verbs::rc::{WC_SUCCESS, WC_WR_FLUSH_ERR};
 
 /// Messages fed through `Sink::start_send` are posted together once this
 /// many are queued (or at `poll_flush`).
@@ -196,71 +192,82 @@ impl MsgState {
         self.fail(Error::Message(e));
     }
 
+    /// Whether a completion with `status` reports a failure: not a success,
+    /// nor a flush on a connection already known to be dead.
+    fn reports_failure(&self, status: WcStatus) -> bool {
+        match status {
+            WcStatus::Success => false,
+            WcStatus::Flushed => !self.dead(),
+            WcStatus::Failed(_) => true,
+        }
+    }
+
     fn on_completion(&mut self, wc: &Completion) {
         trace!(
-            wr_id = wc.wr_id,
-            status = wc.status,
+            work = ?wc.work,
+            status = ?wc.status,
             imm = wc.imm,
             byte_len = wc.byte_len,
             "completion"
         );
-        let is_recv = wc.wr_id & RECV_WR_FLAG != 0;
-        if !is_recv && wc.wr_id & (MW_WR_FLAG | REMOTE_WR_FLAG) == REMOTE_WR_FLAG {
+        let is_recv = matches!(wc.work, Work::Recv(_));
+        if let Work::Remote(_) = wc.work {
             // A one-sided operation, grant bind or revocation
             // (`crate::remote`): its future gets the status.
             // Named (a scan of the ledger) only for a failure, before the
             // completion takes the WR out of the ledger.
-            let failed = wc.status != WC_SUCCESS && !(wc.status == WC_WR_FLUSH_ERR && self.dead());
-            let op = failed.then(|| self.qp.remote_op_name(wc.wr_id));
-            self.qp.remote_completed(wc.wr_id, wc.status);
+            let failed = self.reports_failure(wc.status);
+            let op = failed.then(|| self.qp.remote_op_name(wc.wr_id()));
+            self.qp.remote_completed(wc.wr_id(), wc.status);
             if let Some(op) = op {
                 // The QP is in the error state now (RC): the endpoint with it.
                 self.lost(Error::RemoteAccess {
                     op,
-                    status: wc.status,
+                    status: wc.status.code(),
                 });
             }
             self.senders.wake_all();
             return;
         }
-        if !is_recv && wc.wr_id & MW_WR_FLAG != 0 {
+        if let Work::Window(_) | Work::Probe = wc.work {
             // A keepalive probe, or a window bind or invalidation of the QP
             // layer.
-            if self.qp.window_completed(wc.wr_id, wc.status) {
+            if self.qp.window_completed(wc.wr_id(), wc.status) {
                 self.flushers.wake_all();
             }
-            if wc.status != WC_SUCCESS && !(wc.status == WC_WR_FLUSH_ERR && self.dead()) {
-                let op = if wc.wr_id == PROBE_WR_ID {
+            if self.reports_failure(wc.status) {
+                let op = if wc.work == Work::Probe {
                     "keepalive probe (zero-length RDMA WRITE)"
                 } else {
                     "memory window bind or invalidation"
                 };
                 self.lost(Error::WorkCompletion {
                     op,
-                    status: wc.status,
+                    status: wc.status.code(),
                 });
             }
             return;
         }
-        if wc.status != WC_SUCCESS {
+        if !wc.ok() {
             let op = if is_recv {
                 "receive"
-            } else if self.qp.is_read(wc.wr_id) {
+            } else if self.qp.is_read(wc.wr_id()) {
                 "RDMA READ"
             } else {
                 "SEND"
             };
-            if is_recv {
-                drop(self.qp.take_recv(wc.wr_id, 0));
-            } else {
-                self.qp.send_completed(wc.wr_id);
-                if wc.status != WC_WR_FLUSH_ERR {
-                    // Every WR before the first failure was taken.
-                    self.core.on_send_failed(wc.wr_id);
-                    self.handle_events();
+            match wc.work {
+                Work::Recv(token) => drop(self.qp.take_recv(token, 0)),
+                _ => {
+                    self.qp.send_completed(wc.wr_id());
+                    if wc.status != WcStatus::Flushed {
+                        // Every WR before the first failure was taken.
+                        self.core.on_send_failed(wc.wr_id());
+                        self.handle_events();
+                    }
                 }
             }
-            if wc.status == WC_WR_FLUSH_ERR && self.dead() {
+            if wc.status == WcStatus::Flushed && self.dead() {
                 return;
             }
             if self.core.peer_closed() && self.nothing_half_done() {
@@ -269,7 +276,7 @@ impl MsgState {
                 // a WR of ours posted before the CLOSE arrived (a CREDIT)
                 // failing against its closed QP is the end of a clean
                 // close, not a lost connection.
-                debug!(op, status = wc.status, "WR failed after the peer's CLOSE");
+                debug!(op, status = ?wc.status, "WR failed after the peer's CLOSE");
                 self.qp.as_mut().set_error();
                 return;
             }
@@ -278,15 +285,14 @@ impl MsgState {
             // announcement, or a peer that deregistered it by exiting.
             self.lost(Error::WorkCompletion {
                 op,
-                status: wc.status,
+                status: wc.status.code(),
             });
             return;
         }
-        if is_recv {
-            let Some((token, buf)) = self.qp.take_recv(wc.wr_id, wc.byte_len) else {
+        if let Work::Recv(token) = wc.work {
+            let Some((token, buf)) = self.qp.take_recv(token, wc.byte_len) else {
                 self.fail(Error::Internal(format!(
-                    "receive completion for unknown wr_id {}",
-                    wc.wr_id
+                    "receive completion for unknown token {token}"
                 )));
                 return;
             };
@@ -315,8 +321,8 @@ impl MsgState {
             self.receivers.wake_all();
             self.senders.wake_all();
         } else {
-            self.qp.send_completed(wc.wr_id);
-            if let Err(e) = self.core.on_send_complete(wc.wr_id) {
+            self.qp.send_completed(wc.wr_id());
+            if let Err(e) = self.core.on_send_complete(wc.wr_id()) {
                 self.fail(Error::Message(e));
             }
             // A completed READ may have finished a message for the reader;
@@ -911,7 +917,6 @@ impl MsgConn {
             token,
             len: msg.len() as u64,
             addr: msg.addr(),
-            rkey: msg.rkey(),
         };
         st.qp.add_send(token, msg);
         if let Err(e) = st.core.send(out) {
@@ -1039,13 +1044,9 @@ impl MsgConn {
     pub(crate) fn send_forged_rts(&self, len: u64, addr: u64, rkey: u32) -> io::Result<()> {
         let mut st = self.lock();
         let token = st.token();
+        st.qp.forge_rts(token, rkey);
         st.core
-            .send(OutboundMessage {
-                token,
-                len,
-                addr,
-                rkey,
-            })
+            .send(OutboundMessage { token, len, addr })
             .map_err(io::Error::other)?;
         st.settle();
         // Its drain may have held READs back.
@@ -1192,7 +1193,7 @@ impl std::future::Future for RemoteWait<'_> {
         st.drain();
         this.conn.nudge_if_failed(&st);
         match st.qp.poll_remote(this.wr_id, cx) {
-            Poll::Ready(Some((WC_SUCCESS, local))) => {
+            Poll::Ready(Some((WcStatus::Success, local))) => {
                 this.done = true;
                 Poll::Ready(Ok(local))
             }
@@ -1200,10 +1201,10 @@ impl std::future::Future for RemoteWait<'_> {
                 this.done = true;
                 // A flush reports the connection's failure, not this WR's.
                 let err = match st.error_io() {
-                    Some(e) if status == WC_WR_FLUSH_ERR => e,
+                    Some(e) if status == WcStatus::Flushed => e,
                     _ => Error::RemoteAccess {
                         op: this.op,
-                        status,
+                        status: status.code(),
                     }
                     .into(),
                 };

@@ -374,19 +374,8 @@ impl Setup for MessageSetup {
                 + u32::from(REMOTE_SLOTS),
             recv_depth: r.recv_queue_depth.into(),
             max_inline: r.inline_threshold,
-            // RTS headers (20 bytes) go inline unless inline_threshold is
-            // below that; only then do they need registered scratch (32
-            // bytes per send-queue slot). The QP is created with this
-            // inline size (creation fails on a device that cannot), so
-            // an inline RTS always fits.
-            send_buf: if r.inline_threshold >= RTS_HEADER_LEN as u32 {
-                0
-            } else {
-                MessageQp::scratch_len(r.send_queue_depth)
-            },
-            send_buf_on_demand: false,
+            own_pd_without_windows: false,
             share_cq: r.share_completion_queue,
-            recv_ring: 0,
         }
     }
 
@@ -429,7 +418,16 @@ impl Setup for MessageSetup {
             recv.push(pool.alloc(len).await?);
         }
         Ok(PreparedQp {
-            qp: MessageQp::new(qp, self.0.rdma.send_queue_depth),
+            // RTS headers (20 bytes) go inline unless inline_threshold is
+            // below that; only then do they need registered scratch (32
+            // bytes per send-queue slot). The QP is created with this
+            // inline size (creation fails on a device that cannot), so
+            // an inline RTS always fits.
+            qp: MessageQp::new(
+                qp,
+                self.0.rdma.send_queue_depth,
+                self.0.rdma.inline_threshold >= RTS_HEADER_LEN as u32,
+            )?,
             pool,
             recv,
         })

@@ -25,8 +25,8 @@ use crate::remote::{GrantAccess, LocalRegion};
 use crate::verbs::ledger::{Ledger, PostedOp};
 use crate::verbs::mw::{MemoryWindow, WindowAccess};
 use crate::verbs::rc::{
-    BindTarget, MW_WR_FLAG, RECV_WR_FLAG, REMOTE_WR_FLAG, RcQueuePair, SendOp, SendPayload, SendWr,
-    Sge,
+    BindTarget, MrAccess, RcQueuePair, RegisteredBuffer, SendOp, SendPayload, SendWr, Sge,
+    WcStatus, Work,
 };
 
 /// Send-queue slots kept for remote-memory work (one-sided operations,
@@ -70,6 +70,10 @@ pub(crate) struct MessageQp {
     /// up while one of them still names it (after the QP: freed once it is
     /// destroyed).
     ledger: Ledger<u64, Held>,
+    /// Registered scratch for RTS headers that do not go inline (32 bytes
+    /// per send-queue slot); `None` when every RTS goes inline. Held for
+    /// the QP's life (after it: deregistered once the QP is destroyed).
+    rts_scratch: Option<RegisteredBuffer>,
     send_depth: u64,
     /// Posted receive buffers by token.
     recv: HashMap<u64, PoolBuf>,
@@ -83,7 +87,7 @@ pub(crate) struct MessageQp {
     /// Regions under a bound grant window, by grant id: kept alive until
     /// the window is invalidated or deallocated (after the QP).
     grant_regions: HashMap<u64, (LocalRegion, u64)>,
-    /// Next remote wr_id (with [`REMOTE_WR_FLAG`]).
+    /// Number of the last remote WR ([`Work::Remote`]).
     next_remote: u64,
     /// Tasks waiting for a remote slot.
     remote_waiters: Vec<Waker>,
@@ -92,6 +96,10 @@ pub(crate) struct MessageQp {
     pending_revokes: Vec<u64>,
     #[cfg(tokio_rdma_guest)]
     last_sge: Option<PostedSge>,
+    /// The keys of forged RTSs by token (test hook for a misbehaving
+    /// peer: announcements of memory this side does not own).
+    #[cfg(tokio_rdma_guest)]
+    forged_rts: HashMap<u64, u32>,
 }
 
 /// One remote-memory WR in flight.
@@ -99,7 +107,7 @@ struct RemoteOp {
     /// What it is.
     kind: RemoteKind,
     /// Its completion status, once polled.
-    status: Option<u32>,
+    status: Option<WcStatus>,
     /// The task waiting for it (none once its future was dropped).
     waker: Option<Waker>,
     /// The local buffer it reads (WRITE) or writes (READ, atomics), while
@@ -168,7 +176,7 @@ struct Windows {
     invalidating: HashMap<u64, (u64, MemoryWindow)>,
     /// Tokens whose message is done and whose window awaits its LOCAL_INV.
     to_invalidate: Vec<u64>,
-    /// Next wr_id (with [`MW_WR_FLAG`]) for a bind or an invalidation.
+    /// Number of the last bind or invalidation ([`Work::Window`]).
     next_wr: u64,
     /// Binds posted over the QP's life.
     binds: u64,
@@ -179,7 +187,7 @@ struct Windows {
 impl Windows {
     fn wr_id(&mut self) -> u64 {
         self.next_wr += 1;
-        MW_WR_FLAG | self.next_wr
+        Work::Window(self.next_wr).wr_id()
     }
 }
 
@@ -190,14 +198,25 @@ impl AsMut<RcQueuePair> for MessageQp {
 }
 
 impl MessageQp {
-    /// Wraps `qp`, whose send buffer must hold `send_depth * 32` bytes of RTS
-    /// scratch.
-    pub(crate) fn new(qp: RcQueuePair, send_depth: u16) -> Self {
-        MessageQp {
+    /// Wraps `qp`, with registered scratch for `send_depth` RTS headers
+    /// unless every RTS goes inline (`rts_inline`).
+    ///
+    /// # Errors
+    /// As [`RcQueuePair::register_buffer`] ([`Error::ResourceLimit`] at
+    /// RLIMIT_MEMLOCK).
+    pub(crate) fn new(qp: RcQueuePair, send_depth: u16, rts_inline: bool) -> Result<Self> {
+        let rts_scratch = if rts_inline {
+            None
+        } else {
+            let len = usize::from(send_depth.max(1)) * RTS_SLOT;
+            Some(qp.register_buffer(len, MrAccess::LocalWrite)?)
+        };
+        Ok(MessageQp {
             windows: Windows::default(),
             grant_windows: HashMap::new(),
             qp,
             ledger: Ledger::default(),
+            rts_scratch,
             send_depth: u64::from(send_depth.max(1)),
             recv: HashMap::new(),
             dests: HashMap::new(),
@@ -209,12 +228,9 @@ impl MessageQp {
             pending_revokes: Vec::new(),
             #[cfg(tokio_rdma_guest)]
             last_sge: None,
-        }
-    }
-
-    /// Scratch bytes a QP for `send_depth` needs (`RcSizes::send_buf`).
-    pub(crate) fn scratch_len(send_depth: u16) -> usize {
-        usize::from(send_depth.max(1)) * RTS_SLOT
+            #[cfg(tokio_rdma_guest)]
+            forged_rts: HashMap::new(),
+        })
     }
 
     pub(crate) fn qp_ref(&self) -> &RcQueuePair {
@@ -222,15 +238,15 @@ impl MessageQp {
     }
 
     /// Posts receive buffers (their whole capacity), keeping them until
-    /// [`take_recv`](Self::take_recv). The receive WR id is the token with
-    /// [`RECV_WR_FLAG`] set.
+    /// [`take_recv`](Self::take_recv); each receive WR is [`Work::Recv`]
+    /// of its token.
     pub(crate) fn post_recvs(&mut self, bufs: Vec<(u64, PoolBuf)>) -> Result<()> {
         let mut wrs = Vec::with_capacity(bufs.len());
         for (token, mut buf) in bufs {
             buf.clear();
             let len = u32::try_from(buf.capacity()).unwrap_or(u32::MAX);
             wrs.push((
-                RECV_WR_FLAG | token,
+                Work::Recv(token).wr_id(),
                 Sge {
                     addr: buf.addr(),
                     len,
@@ -246,10 +262,9 @@ impl MessageQp {
         unsafe { self.qp.post_recv_sges(&wrs) }
     }
 
-    /// The buffer of a completed (or flushed) receive WR, with its length
-    /// set to `byte_len` (clamped to its capacity).
-    pub(crate) fn take_recv(&mut self, wr_id: u64, byte_len: u32) -> Option<(u64, PoolBuf)> {
-        let token = wr_id & !RECV_WR_FLAG;
+    /// The buffer of the completed (or flushed) receive WR of `token`,
+    /// with its length set to `byte_len` (clamped to its capacity).
+    pub(crate) fn take_recv(&mut self, token: u64, byte_len: u32) -> Option<(u64, PoolBuf)> {
         let mut buf = self.recv.remove(&token)?;
         buf.set_len((byte_len as usize).min(buf.capacity()));
         Some((token, buf))
@@ -350,16 +365,16 @@ impl MessageQp {
         self.windows.binds
     }
 
-    /// A bind or invalidation of ours (wr_id with [`MW_WR_FLAG`]) completed
-    /// with `status`. A completed LOCAL_INV releases its message and frees
+    /// A bind or invalidation of ours ([`Work::Window`], posted with
+    /// `wr_id`) completed with `status`. A completed LOCAL_INV releases its message and frees
     /// its window for reuse. After a failure (the QP is in error, so the
     /// peer can use no key of it) the message stays held until the QP is
     /// torn down, windows first. Returns whether a message was released.
-    pub(crate) fn window_completed(&mut self, wr_id: u64, status: u32) -> bool {
+    pub(crate) fn window_completed(&mut self, wr_id: u64, status: WcStatus) -> bool {
         let Some((token, window)) = self.windows.invalidating.remove(&wr_id) else {
             return false;
         };
-        if status == 0 {
+        if status == WcStatus::Success {
             self.windows.free.push(window);
             self.retire_send(token)
         } else {
@@ -399,9 +414,16 @@ impl MessageQp {
     #[cfg(not(tokio_rdma_guest))]
     fn note_sge(&mut self, _sge: Sge) {}
 
+    /// The RTS of message `token` (not one of ours) goes out with `rkey`
+    /// (test hook).
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn forge_rts(&mut self, token: u64, rkey: u32) {
+        self.forged_rts.insert(token, rkey);
+    }
+
     /// Invalidates the windows of finished messages (signaled LOCAL_INVs),
-    /// binds a window for each RTS in `batch` and writes its key into the
-    /// header; returns the headers to post, in batch order.
+    /// binds a window for each RTS in `batch` and encodes its header with
+    /// the window's key; returns the headers to post, in batch order.
     fn prepare_windows(&mut self, batch: &[MsgTransmit]) -> Result<Vec<[u8; RTS_HEADER_LEN]>> {
         for token in std::mem::take(&mut self.windows.to_invalidate) {
             let Some(window) = self.windows.bound.remove(&token) else {
@@ -415,14 +437,19 @@ impl MessageQp {
         }
         let mut headers = Vec::new();
         for t in batch {
-            let MsgTransmitKind::Rts { token, header, .. } = &t.kind else {
+            let &MsgTransmitKind::Rts {
+                token, len, addr, ..
+            } = &t.kind
+            else {
                 continue;
             };
-            let Some(msg) = self.sending.get(token) else {
-                // Not a message of ours (the test hook's forged RTS): its
-                // header goes out as it is.
-                headers.push(*header);
+            #[cfg(tokio_rdma_guest)]
+            if let Some(rkey) = self.forged_rts.remove(&token) {
+                headers.push(RtsHeader { len, addr, rkey }.encode());
                 continue;
+            }
+            let Some(msg) = self.sending.get(&token) else {
+                return Err(internal(format!("an RTS of unknown message {token}")));
             };
             let mr = msg.raw_mr();
             if mr == 0 {
@@ -430,7 +457,7 @@ impl MessageQp {
                     "message {token} has no memory region to bind a window on"
                 )));
             }
-            let (addr, len) = (msg.addr(), msg.len() as u64);
+            debug_assert_eq!((addr, len), (msg.addr(), msg.len() as u64));
             let mut window = match self.windows.free.pop() {
                 Some(w) => w,
                 None => MemoryWindow::alloc(self.qp.device())?,
@@ -459,11 +486,8 @@ impl MessageQp {
             };
             self.windows.binds += 1;
             self.windows.last = Some((addr, len, rkey));
-            self.windows.bound.insert(*token, window);
-            let mut h = RtsHeader::decode(header)
-                .ok_or_else(|| internal("the core built a short RTS header".into()))?;
-            h.rkey = rkey;
-            headers.push(h.encode());
+            self.windows.bound.insert(token, window);
+            headers.push(RtsHeader { len, addr, rkey }.encode());
         }
         Ok(headers)
     }
@@ -523,8 +547,8 @@ impl MessageQp {
                         // send_depth` is not in use by another WR.
                         let off = (t.wr_id % self.send_depth) as usize * RTS_SLOT;
                         let scratch = self
-                            .qp
-                            .send_buf_mut()
+                            .rts_scratch
+                            .as_mut()
                             .ok_or_else(|| internal("message QP without its RTS scratch".into()))?;
                         scratch
                             .write_at(off, header)
@@ -582,13 +606,15 @@ impl MessageQp {
                 }
             };
             let (op, posted) = op;
+            // The core's numbers are the wr_ids of its WRs.
+            let wr_id = Work::Core(t.wr_id).wr_id();
             wrs.push(SendWr {
-                wr_id: t.wr_id,
+                wr_id,
                 signaled: t.signaled,
                 solicited: t.solicited,
                 op,
             });
-            records.push((t.wr_id, posted, pin));
+            records.push((wr_id, posted, pin));
         }
         // SAFETY: every SGE names registered memory on this QP's PD that
         // outlives its WR: a message or destination whose token the ledger
@@ -620,7 +646,7 @@ impl MessageQp {
 impl MessageQp {
     fn remote_wr_id(&mut self) -> u64 {
         self.next_remote += 1;
-        REMOTE_WR_FLAG | self.next_remote
+        Work::Remote(self.next_remote).wr_id()
     }
 
     /// Remote-memory WRs posted and not known complete (those whose
@@ -768,7 +794,7 @@ impl MessageQp {
         &mut self,
         wr_id: u64,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<(u32, Option<PoolBuf>)>> {
+    ) -> Poll<Option<(WcStatus, Option<PoolBuf>)>> {
         let Some(op) = self.remote.get_mut(&wr_id) else {
             return Poll::Ready(None);
         };
@@ -820,7 +846,7 @@ impl MessageQp {
     /// completed (or whose bind or revocation failed, on a QP now in
     /// error) is deallocated and its region let go, and the waiting future
     /// is woken.
-    pub(crate) fn remote_completed(&mut self, wr_id: u64, status: u32) {
+    pub(crate) fn remote_completed(&mut self, wr_id: u64, status: WcStatus) {
         self.ledger.complete(wr_id);
         let Some(op) = self.remote.get_mut(&wr_id) else {
             return;
@@ -833,7 +859,7 @@ impl MessageQp {
         }
         match kind {
             RemoteKind::Revoke { grant } => self.drop_grant(grant),
-            RemoteKind::Bind { grant } if status != 0 => self.drop_grant(grant),
+            RemoteKind::Bind { grant } if status != WcStatus::Success => self.drop_grant(grant),
             _ => {}
         }
         if abandoned {

@@ -134,6 +134,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 
 use crate::proto::handshake::{MAX_RECV_DEPTH, MIN_RECV_DEPTH};
+use crate::proto::sendq::SendQueue;
 
 /// Receive-buffer credits at the peer that EAGER and RTS may not use: 2.
 /// They are kept for CREDIT and DONE, so credit can always flow back.
@@ -597,9 +598,6 @@ pub struct OutboundMessage {
     pub len: u64,
     /// Virtual address of the buffer's first byte (used for rendezvous).
     pub addr: u64,
-    /// rkey of the memory region holding the buffer, registered for remote
-    /// READ (used for rendezvous).
-    pub rkey: u32,
 }
 
 /// A WR to post, from [`MessageCore::poll_transmit`].
@@ -633,15 +631,17 @@ pub enum MsgTransmitKind {
         /// Post with `IBV_SEND_INLINE` (`len <= inline_threshold`).
         inline: bool,
     },
-    /// SEND WITH IMMEDIATE of the 20-byte `header` (an [`RtsHeader`]); when
-    /// not `inline` the runtime copies it into registered scratch memory
-    /// first.
+    /// SEND WITH IMMEDIATE of a 20-byte [`RtsHeader`] announcing `len`
+    /// bytes at `addr`: the runtime binds a memory window over the message
+    /// and sends the header with the window's key; when not `inline` it
+    /// copies the header into registered scratch memory first.
     Rts {
-        /// The message's token (the runtime binds a memory window over it
-        /// and writes the window's key into `header`).
+        /// The message's token.
         token: u64,
-        /// The encoded [`RtsHeader`].
-        header: [u8; RTS_HEADER_LEN],
+        /// Message length in bytes.
+        len: u64,
+        /// Virtual address of the message's first byte.
+        addr: u64,
         /// Immediate data (host order): [`MsgImm::Rts`].
         imm: u32,
         /// Post with `IBV_SEND_INLINE` (`inline_threshold >= 20`).
@@ -738,11 +738,6 @@ impl Delivery {
             Delivery::Eager { len, .. } => len.into(),
             Delivery::Rendezvous { len, .. } => len,
         }
-    }
-
-    /// True for an empty message.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// The token of the buffer holding the message.
@@ -871,12 +866,6 @@ enum WrKind {
     Close,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Outstanding {
-    wr_id: u64,
-    kind: WrKind,
-}
-
 /// A received data message, waiting for the application.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Inbound {
@@ -943,9 +932,9 @@ pub struct MessageCore {
     rts_outstanding: VecDeque<(u32, u64)>,
     next_rts_seq: u32,
     peer_credit: u16,
-    next_wr_id: u64,
-    outstanding: VecDeque<Outstanding>,
-    unsignaled_run: u16,
+    /// Posted send-queue WRs not known complete, with what each one's
+    /// completion means.
+    sendq: SendQueue<WrKind>,
 
     // Receive side.
     /// Data messages received and not taken, arrival order.
@@ -1104,9 +1093,7 @@ impl MessageCore {
             rts_outstanding: VecDeque::new(),
             next_rts_seq: 0,
             peer_credit: p.peer_recv_initial,
-            next_wr_id: 1,
-            outstanding: VecDeque::new(),
-            unsignaled_run: 0,
+            sendq: SendQueue::default(),
             reads_held: false,
             inbox: VecDeque::new(),
             inbox_base: 0,
@@ -1191,7 +1178,7 @@ impl MessageCore {
     /// peer's credit or a rendezvous slot waits for the peer's CREDIT or
     /// DONE instead, which are receives.
     pub fn awaits_send_completion(&self) -> bool {
-        let slot_bound = self.outstanding.len() >= usize::from(self.p.send_queue_depth)
+        let slot_bound = self.sendq.len() >= usize::from(self.p.send_queue_depth)
             && self.next_action_any_slot().is_some();
         let reads = self.reading.iter().any(|r| r.issued > r.completed);
         slot_bound || reads || self.close != CloseState::Open || self.local_abort.is_some()
@@ -1252,11 +1239,13 @@ impl MessageCore {
         }
     }
 
+    #[cfg(test)]
     /// Rendezvous posted whose DONE has not arrived.
     pub fn rendezvous_outstanding(&self) -> usize {
         self.rts_outstanding.len()
     }
 
+    #[cfg(test)]
     /// Receive-buffer credits at the peer (including the
     /// [`CONTROL_RESERVE`]).
     pub fn peer_credit(&self) -> u16 {
@@ -1265,7 +1254,7 @@ impl MessageCore {
 
     /// WRs posted and not completed.
     pub fn outstanding_wrs(&self) -> usize {
-        self.outstanding.len()
+        self.sendq.len()
     }
 
     /// Aborts the endpoint: queued messages are dropped (their tokens come
@@ -1334,7 +1323,7 @@ impl MessageCore {
     /// outstanding: the runtime disconnects without it, as before CLOSE
     /// existed.
     pub fn close_blocked(&self) -> bool {
-        self.close_ready() && self.peer_credit == 0 && self.outstanding.is_empty()
+        self.close_ready() && self.peer_credit == 0 && self.sendq.is_empty()
     }
 
     /// True once the peer's CLOSE arrived: what arrived before it is
@@ -1347,11 +1336,11 @@ impl MessageCore {
         let mut tokens = Vec::new();
         tokens.extend(self.queue.drain(..).map(|m| m.token));
         self.queued_bytes = 0;
-        for w in &mut self.outstanding {
-            if let WrKind::Eager { token } = w.kind {
+        for kind in self.sendq.items_mut() {
+            if let WrKind::Eager { token } = *kind {
                 tokens.push(token);
             }
-            w.kind = WrKind::Plain;
+            *kind = WrKind::Plain;
         }
         tokens.extend(self.rts_outstanding.drain(..).map(|(_, t)| t));
         for m in self.inbox.drain(..) {
@@ -1427,6 +1416,7 @@ impl MessageCore {
         self.p.recv_depth - self.reserved
     }
 
+    #[cfg(test)]
     /// Receive slots still reserved (no buffer yet).
     pub fn recv_reserved(&self) -> u16 {
         self.reserved
@@ -1502,7 +1492,7 @@ impl MessageCore {
     }
 
     fn next_action(&self) -> Option<Action> {
-        if self.outstanding.len() >= usize::from(self.p.send_queue_depth) {
+        if self.sendq.len() >= usize::from(self.p.send_queue_depth) {
             return None;
         }
         self.next_action_any_slot()
@@ -1522,7 +1512,7 @@ impl MessageCore {
             self.stats.rendezvous_stalls += 1;
         }
         self.rdv_stalled = rdv;
-        let sq = self.outstanding.len() >= usize::from(self.p.send_queue_depth)
+        let sq = self.sendq.len() >= usize::from(self.p.send_queue_depth)
             && self.next_action_any_slot().is_some();
         if sq && !self.sq_stalled {
             self.stats.send_queue_stalls += 1;
@@ -1635,15 +1625,10 @@ impl MessageCore {
                 self.stats.messages_sent += 1;
                 self.stats.bytes_sent += m.len;
                 self.stats.rendezvous_sent += 1;
-                let header = RtsHeader {
-                    len: m.len,
-                    addr: m.addr,
-                    rkey: m.rkey,
-                }
-                .encode();
                 let kind = MsgTransmitKind::Rts {
                     token: m.token,
-                    header,
+                    len: m.len,
+                    addr: m.addr,
                     imm: MsgImm::Rts { seq }.encode(),
                     inline: RTS_HEADER_LEN as u32 <= self.p.inline_threshold,
                 };
@@ -1664,20 +1649,16 @@ impl MessageCore {
         if matches!(kind, MsgTransmitKind::Control { .. }) {
             self.stats.control_sent += 1;
         }
-        let wr_id = self.next_wr_id;
-        self.next_wr_id += 1;
-        self.outstanding.push_back(Outstanding {
-            wr_id,
-            kind: wr_kind,
-        });
-        let signaled = always_signal
-            || self.unsignaled_run + 1 >= self.p.signal_interval
-            || self.next_action().is_none();
+        let wr_id = self.sendq.push(wr_kind);
+        // Signaled when due, when the core must, and for the last WR of a
+        // burst (asked after the push: a full send queue ends the burst).
+        let signaled = self.sendq.signaled(
+            always_signal
+                || self.sendq.signal_due(self.p.signal_interval)
+                || self.next_action().is_none(),
+        );
         if signaled {
-            self.unsignaled_run = 0;
             self.stats.signaled += 1;
-        } else {
-            self.unsignaled_run += 1;
         }
         self.stats.wrs_posted += 1;
         Some(MsgTransmit {
@@ -1699,19 +1680,9 @@ impl MessageCore {
     /// [`MessageError::UnknownWrId`] if `wr_id` is not outstanding; nothing
     /// changes then.
     pub fn on_send_complete(&mut self, wr_id: u64) -> Result<(), MessageError> {
-        let (Some(first), Some(last)) = (self.outstanding.front(), self.outstanding.back()) else {
-            return Err(MessageError::UnknownWrId {
-                wr_id,
-                outstanding: None,
-            });
-        };
-        let (first, last) = (first.wr_id, last.wr_id);
-        if wr_id < first || wr_id > last {
-            return Err(MessageError::UnknownWrId {
-                wr_id,
-                outstanding: Some((first, last)),
-            });
-        }
+        self.sendq
+            .check(wr_id)
+            .map_err(|outstanding| MessageError::UnknownWrId { wr_id, outstanding })?;
         self.complete_through(wr_id);
         Ok(())
     }
@@ -1731,11 +1702,8 @@ impl MessageCore {
 
     /// Completes every outstanding WR up to and including `wr_id`.
     fn complete_through(&mut self, wr_id: u64) {
-        while self.outstanding.front().is_some_and(|o| o.wr_id <= wr_id) {
-            let Some(done) = self.outstanding.pop_front() else {
-                break;
-            };
-            match done.kind {
+        while let Some(kind) = self.sendq.pop_done(wr_id) {
+            match kind {
                 WrKind::Plain => {}
                 WrKind::Eager { token } => self.events.push_back(MsgEvent::SendDone { token }),
                 WrKind::Read { seq, len } => self.read_completed(seq, len),
@@ -2034,6 +2002,7 @@ impl MessageCore {
         )
     }
 
+    #[cfg(test)]
     /// Messages received (complete or not) and not yet taken.
     pub fn pending_recv(&self) -> usize {
         self.inbox.len()
@@ -2066,20 +2035,23 @@ impl MessageCore {
                     && self.reading.is_empty()
             }
         };
-        queued_done && self.outstanding.is_empty()
+        queued_done && self.sendq.is_empty()
     }
 
+    #[cfg(test)]
     /// True after [`abort`](MessageCore::abort), a protocol error, or the
     /// peer's ABORT.
     pub fn is_aborted(&self) -> bool {
         self.local_abort.is_some() || self.peer_abort.is_some()
     }
 
+    #[cfg(test)]
     /// This side's abort code, if it aborted.
     pub fn local_abort_code(&self) -> Option<u32> {
         self.local_abort.map(|(code, _)| code)
     }
 
+    #[cfg(test)]
     /// The peer's abort code, if its ABORT arrived.
     pub fn peer_abort_code(&self) -> Option<u32> {
         self.peer_abort

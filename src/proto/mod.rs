@@ -9,6 +9,8 @@
 //! - [`stream`]: [`StreamCore`], the byte-stream state machine (ring
 //!   cursors, credits, selective signaling, half-close, abort), with the
 //!   argument for why its credit scheme cannot deadlock.
+//! - [`sendq`]: [`SendQueue`](sendq::SendQueue), the posted work requests
+//!   and selective signaling both state machines share.
 //! - [`message`]: [`MessageCore`], the zero-copy message state machine
 //!   (eager sends, rendezvous by RDMA READ, in-order delivery, credits,
 //!   abort), with its own deadlock argument.
@@ -20,16 +22,15 @@
 //!
 //! The core is internal to the crate (its types change with the runtime);
 //! what a user can meet of it, the error and statistics types, is re-exported
-//! from [`crate::error`] and [`crate::message`]. Its full surface, including
-//! accessors the runtimes do not call (hence `allow(dead_code)` here), is
-//! kept for the in-memory tests and for runtimes to come.
+//! from [`crate::error`] and [`crate::message`]. Accessors only the
+//! in-memory tests read are compiled for them alone (`#[cfg(test)]`).
 #![forbid(unsafe_code)]
-#![allow(dead_code)]
 
 pub mod error;
 pub mod handshake;
 pub mod imm;
 pub mod message;
+pub mod sendq;
 pub mod stream;
 
 #[cfg(test)]

@@ -107,7 +107,6 @@
 //!   stopped returning bytes. A SWITCH not yet sent when S sends its FIN is
 //!   dropped (no DATA follows); R then keeps reading its current ring.
 
-use std::collections::VecDeque;
 use std::ops::Range;
 
 use crate::proto::error::{ProtocolError, WriteError};
@@ -116,6 +115,7 @@ use crate::proto::imm::{
     GRANT_CHUNKS, Imm, MAX_CREDIT_BYTES, MAX_CREDIT_WRS, MAX_DATA_LEN, grant_chunks,
     grant_descriptor,
 };
+use crate::proto::sendq::SendQueue;
 
 /// Receive-WR credits at the peer that data may not use: 2. They are kept
 /// for control messages (CREDIT, FIN), so credit can always flow back.
@@ -134,10 +134,6 @@ pub const CONTROL_RESERVE: u16 = 2;
 /// the multi-thread runtime; benches/history/echo-2026-12-04.md,
 /// "Receive rings that grow under bulk".)
 pub const GROW_AFTER_FILLS: u16 = 4;
-
-/// ABORT code used for aborts requested by the application. Codes 1..=10
-/// are protocol errors ([`ProtocolError::abort_code`]).
-pub const ABORT_CODE_APPLICATION: u32 = 0;
 
 /// Configuration of one byte stream, validated by [`StreamCore::new`].
 ///
@@ -226,6 +222,7 @@ pub enum TransmitKind {
 }
 
 impl TransmitKind {
+    #[cfg(test)]
     /// The immediate data to post (host order).
     pub fn imm(&self) -> u32 {
         match *self {
@@ -326,13 +323,6 @@ pub struct StreamStats {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Outstanding {
-    wr_id: u64,
-    /// Send-buffer bytes this WR holds (0 for control messages).
-    buf_bytes: u32,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct LocalAbort {
     code: u32,
     sent: bool,
@@ -419,12 +409,9 @@ pub struct StreamCore {
     /// Receive WRs we may still consume at the peer.
     peer_wr_credit: u16,
 
-    // Posted WRs.
-    next_wr_id: u64,
-    /// Posted and not completed, oldest first; ids are consecutive.
-    outstanding: VecDeque<Outstanding>,
-    /// Unsignaled WRs posted since the last signaled one.
-    unsignaled_run: u16,
+    /// Posted and not completed, oldest first, with the send-buffer bytes
+    /// each holds (0 for control messages).
+    sendq: SendQueue<u32>,
 
     // Write-side lifecycle.
     fin_requested: bool,
@@ -576,9 +563,7 @@ impl StreamCore {
             remote_pos: 0,
             peer_bytes_credit: params.peer_ring_len,
             peer_wr_credit: params.peer_recv_depth,
-            next_wr_id: 1,
-            outstanding: VecDeque::new(),
-            unsignaled_run: 0,
+            sendq: SendQueue::default(),
             fin_requested: false,
             fin_sent: false,
             local_abort: None,
@@ -759,7 +744,7 @@ impl StreamCore {
     }
 
     fn next_action(&self) -> Option<Action> {
-        if self.outstanding.len() >= usize::from(self.p.send_queue_depth) {
+        if self.sendq.len() >= usize::from(self.p.send_queue_depth) {
             return None;
         }
         self.next_action_any_slot()
@@ -772,7 +757,7 @@ impl StreamCore {
             self.stats.credit_stalls += 1;
         }
         self.credit_stalled = credit_blocked;
-        let sq_blocked = self.outstanding.len() >= usize::from(self.p.send_queue_depth)
+        let sq_blocked = self.sendq.len() >= usize::from(self.p.send_queue_depth)
             && self.next_action_any_slot().is_some();
         if sq_blocked && !self.sq_stalled {
             self.stats.send_queue_stalls += 1;
@@ -894,17 +879,16 @@ impl StreamCore {
         if matches!(kind, TransmitKind::Control { .. }) {
             self.stats.control_sent += 1;
         }
-        let wr_id = self.next_wr_id;
-        self.next_wr_id += 1;
-        self.outstanding.push_back(Outstanding { wr_id, buf_bytes });
-        let signaled = always_signal
-            || self.unsignaled_run + 1 >= self.p.signal_interval
-            || self.next_action().is_none();
+        let wr_id = self.sendq.push(buf_bytes);
+        // Signaled when due, when the core must, and for the last WR of a
+        // burst (asked after the push: a full send queue ends the burst).
+        let signaled = self.sendq.signaled(
+            always_signal
+                || self.sendq.signal_due(self.p.signal_interval)
+                || self.next_action().is_none(),
+        );
         if signaled {
-            self.unsignaled_run = 0;
             self.stats.signaled += 1;
-        } else {
-            self.unsignaled_run += 1;
         }
         self.stats.wrs_posted += 1;
         Some(Transmit {
@@ -923,24 +907,11 @@ impl StreamCore {
     /// [`ProtocolError::UnknownWrId`] if `wr_id` is not outstanding (never
     /// handed out, or already released); nothing changes then.
     pub fn on_send_complete(&mut self, wr_id: u64) -> Result<(), ProtocolError> {
-        let (Some(first), Some(last)) = (self.outstanding.front(), self.outstanding.back()) else {
-            return Err(ProtocolError::UnknownWrId {
-                wr_id,
-                outstanding: None,
-            });
-        };
-        let (first, last) = (first.wr_id, last.wr_id);
-        if wr_id < first || wr_id > last {
-            return Err(ProtocolError::UnknownWrId {
-                wr_id,
-                outstanding: Some((first, last)),
-            });
-        }
-        while let Some(done) = self.outstanding.pop_front() {
-            self.sb_inflight -= done.buf_bytes;
-            if done.wr_id == wr_id {
-                break;
-            }
+        self.sendq
+            .check(wr_id)
+            .map_err(|outstanding| ProtocolError::UnknownWrId { wr_id, outstanding })?;
+        while let Some(buf_bytes) = self.sendq.pop_done(wr_id) {
+            self.sb_inflight -= buf_bytes;
         }
         Ok(())
     }
@@ -960,7 +931,7 @@ impl StreamCore {
             Some(abort) => abort.sent,
             None => self.sb_unposted == 0 && (!self.fin_requested || self.fin_sent),
         };
-        queued_done && self.outstanding.is_empty()
+        queued_done && self.sendq.is_empty()
     }
 
     /// Send-buffer bytes holding data: accepted and not yet known complete
@@ -1005,9 +976,10 @@ impl StreamCore {
 
     /// WRs posted and not yet completed.
     pub fn outstanding_wrs(&self) -> usize {
-        self.outstanding.len()
+        self.sendq.len()
     }
 
+    #[cfg(test)]
     /// Ring bytes this side may still write at the peer now (byte credit).
     pub fn peer_bytes_credit(&self) -> u32 {
         self.peer_bytes_credit
@@ -1019,6 +991,7 @@ impl StreamCore {
         self.peer_ring_gen
     }
 
+    #[cfg(test)]
     /// Receive WRs this side may still consume at the peer now (WR credit,
     /// including the [`CONTROL_RESERVE`]).
     pub fn peer_wr_credit(&self) -> u16 {
@@ -1292,6 +1265,7 @@ impl StreamCore {
         self.old_ring.map_or(self.ring_gen, |old| old.generation)
     }
 
+    #[cfg(test)]
     /// Where the oldest received, unconsumed bytes lie, in arrival order:
     /// in the local ring of generation
     /// [`readable_generation`](StreamCore::readable_generation),
@@ -1306,6 +1280,7 @@ impl StreamCore {
         }
     }
 
+    #[cfg(test)]
     /// Generation of the ring [`readable`](StreamCore::readable) describes:
     /// the oldest ring in use ([`oldest_ring`](StreamCore::oldest_ring)),
     /// since the oldest ring is read first.
@@ -1381,11 +1356,13 @@ impl StreamCore {
         self.local_abort.is_some() || self.peer_abort.is_some()
     }
 
+    #[cfg(test)]
     /// The code of the peer's ABORT, if one arrived.
     pub fn peer_abort_code(&self) -> Option<u32> {
         self.peer_abort
     }
 
+    #[cfg(test)]
     /// The code of this side's abort, if [`abort`](StreamCore::abort) was
     /// called or a protocol error aborted the connection.
     pub fn local_abort_code(&self) -> Option<u32> {

@@ -1,5 +1,6 @@
 //! The byte stream's part of a connection: its [`StreamState`] (the
-//! [`StreamCore`], the QP with its ring and send buffer, the receive
+//! [`StreamCore`], the QP adapter with its ring and send buffer
+//! ([`StreamQp`]), the receive
 //! backlog and the waiters) and the stream operations on the shared
 //! connection. Connection setup, the handles and the driver are the
 //! connection core's ([`crate::conn`]).
@@ -29,12 +30,9 @@ use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::stream::{RecvEvent, StreamCore, Transmit, TransmitKind};
 use crate::proto::{ProtocolError, WriteError};
 use crate::stats::{ConnectionStats, RemoteAccess};
-use crate::verbs::rc::{
-    Completion, MW_WR_FLAG, PROBE_WR_ID, RECV_WR_FLAG, RING_BIND_WR_ID, RcQueuePair,
-    RegisteredBuffer, RingIsolation, WcKind,
-};
+use crate::verbs::rc::{Completion, RcQueuePair, RegisteredBuffer, WcKind, WcStatus, Work};
 
-use crate::verbs::rc::{WC_SUCCESS, WC_WR_FLUSH_ERR};
+use super::qp::{RING_BIND, RingIsolation, RingWrite, StreamQp};
 
 /// A stream connection: the core's shared connection around a
 /// [`StreamState`].
@@ -43,7 +41,7 @@ pub(crate) type Conn = crate::conn::shared::Shared<StreamState>;
 /// Everything behind the stream connection's mutex.
 pub(crate) struct StreamState {
     core: StreamCore,
-    qp: RcQueuePair,
+    qp: StreamQp,
     peer_ring_addr: u64,
     peer_rkey: u32,
     /// Bytes already moved out of the ring, oldest first.
@@ -107,7 +105,7 @@ impl StreamState {
         // can then be resent after a loss. (rxe on Linux 6.1 stopped a QP
         // whose go-back-N retransmission met a bind among the WRs it
         // resent: the two-host test under 1 % loss, 4 of 4 runs.)
-        let send_queue_idle = self.core.outstanding_wrs() == 0 && !self.qp.probe_outstanding();
+        let send_queue_idle = self.core.outstanding_wrs() == 0 && !self.qp.rc().probe_outstanding();
         if !self.growth_refused && send_queue_idle {
             if let Some(len) = self.core.ring_wanted() {
                 self.grow_ring(len);
@@ -187,18 +185,18 @@ impl StreamState {
             } => (local_offset, len, remote_offset, imm, inline),
             TransmitKind::Control { imm } => (0, 0, 0, imm, false),
         };
-        self.qp.post_write_imm(
-            t.wr_id,
+        self.qp.post_write(RingWrite {
+            work: Work::Core(t.wr_id),
             local_offset,
             len,
             // The peer's address is its own business: an address near
             // 2^64 wraps, and the NIC then refuses the key's range.
-            self.peer_ring_addr.wrapping_add(u64::from(remote_offset)),
-            self.peer_rkey,
+            remote_addr: self.peer_ring_addr.wrapping_add(u64::from(remote_offset)),
+            rkey: self.peer_rkey,
             imm,
-            t.signaled,
+            signaled: t.signaled,
             inline,
-        )?;
+        })?;
         self.stats.wrs_sent += 1;
         if len > 0 {
             self.stats.bytes_sent += u64::from(len);
@@ -238,37 +236,38 @@ impl StreamState {
     /// Handles one completion. Returns the number of receive WRs to repost.
     fn on_completion(&mut self, wc: &Completion) -> u32 {
         self.stats.completions += 1;
-        if wc.status == WC_SUCCESS && wc.wr_id & MW_WR_FLAG != 0 && wc.wr_id & RECV_WR_FLAG == 0 {
-            // The verbs layer's own work (a window bind), not the core's.
+        if wc.ok() && matches!(wc.work, Work::Window(_) | Work::Probe) {
+            // The QP adapter's own work (a window bind) or a probe, not the
+            // core's.
             return 0;
         }
-        if wc.status != WC_SUCCESS {
-            if wc.status == WC_WR_FLUSH_ERR && (self.peer_gone || self.error.is_some()) {
+        if !wc.ok() {
+            if wc.status == WcStatus::Flushed && (self.peer_gone || self.error.is_some()) {
                 return 0;
             }
             self.peer_gone = true;
             self.core.on_connection_lost();
-            let op = match wc.kind {
-                _ if wc.wr_id == PROBE_WR_ID => "keepalive probe (zero-length RDMA WRITE)",
-                _ if wc.wr_id == RING_BIND_WR_ID => "BIND_MW (grown receive ring)",
-                WcKind::RecvImm | WcKind::Recv => "receive",
+            let op = match wc.work {
+                Work::Probe => "keepalive probe (zero-length RDMA WRITE)",
+                RING_BIND => "BIND_MW (grown receive ring)",
+                _ if matches!(wc.kind, WcKind::RecvImm | WcKind::Recv) => "receive",
                 _ => "RDMA WRITE WITH IMM",
             };
             self.fail(Error::WorkCompletion {
                 op,
-                status: wc.status,
+                status: wc.status.code(),
             });
             return 0;
         }
-        match wc.kind {
-            WcKind::Send => {
-                if let Err(e) = self.core.on_send_complete(wc.wr_id) {
+        match (wc.work, wc.kind) {
+            (Work::Core(wr_id), _) => {
+                if let Err(e) = self.core.on_send_complete(wr_id) {
                     self.protocol_error(e);
                 }
                 self.writers.wake_all();
                 0
             }
-            WcKind::RecvImm => {
+            (Work::Recv(_), WcKind::RecvImm) => {
                 self.stats.wrs_received += 1;
                 match self.core.on_recv(wc.imm) {
                     Ok(RecvEvent::Data { ring, offset, len }) => {
@@ -298,7 +297,7 @@ impl StreamState {
                 }
                 1
             }
-            WcKind::Recv | WcKind::Other => 0,
+            _ => 0,
         }
     }
 
@@ -311,7 +310,7 @@ impl StreamState {
     /// room wakes the task at once.
     fn register_writer(&mut self, waker: &std::task::Waker) {
         self.writers.register(waker);
-        if let Err(e) = self.qp.arm(false) {
+        if let Err(e) = self.qp.rc().arm(false) {
             self.fail(e);
             return;
         }
@@ -382,11 +381,11 @@ impl StreamState {
 
 impl Driven for StreamState {
     fn qp(&self) -> &RcQueuePair {
-        &self.qp
+        self.qp.rc()
     }
 
     fn qp_mut(&mut self) -> &mut RcQueuePair {
-        &mut self.qp
+        self.qp.rc_mut()
     }
 
     fn progress(&mut self) {
@@ -437,7 +436,7 @@ impl Driven for StreamState {
             && self.writers.is_empty()
             && self.core.unposted_len() == 0
             && !self.core.shutdown_requested()
-            && !self.qp.probe_outstanding()
+            && !self.qp.rc().probe_outstanding()
     }
 
     /// Send-buffer bytes in flight that no event announces: their
@@ -472,7 +471,7 @@ impl Driven for StreamState {
     fn on_disconnected(&mut self) {
         self.peer_gone = true;
         self.core.on_connection_lost();
-        self.qp.set_error();
+        self.qp.rc_mut().set_error();
         self.wake_all();
     }
 
@@ -552,7 +551,7 @@ impl Conn {
         }
         if st.read_ready() {
             st.spin.ready();
-            st.qp.unpark();
+            st.qp.rc().unpark();
         }
         let mut copied = 0;
         while buf.remaining() > 0 {
@@ -770,9 +769,8 @@ impl Conn {
     #[cfg(tokio_rdma_guest)]
     pub(crate) fn forge_ring_write(&self, remote_addr: u64, rkey: u32, len: u32) -> io::Result<()> {
         let mut st = self.lock();
-        st.qp.ensure_send_buf()?;
         st.qp
-            .post_write_imm(MW_WR_FLAG | 0xF0, 0, len, remote_addr, rkey, 0, true, false)
+            .forge_ring_write(remote_addr, rkey, len)
             .map_err(io::Error::from)
     }
 
@@ -798,7 +796,7 @@ impl Conn {
 }
 
 /// Receive ring `generation` of a stream QP (held while bytes in it wait).
-fn recv_ring(qp: &RcQueuePair, generation: u32) -> std::io::Result<&RegisteredBuffer> {
+fn recv_ring(qp: &StreamQp, generation: u32) -> std::io::Result<&RegisteredBuffer> {
     qp.ring(generation).ok_or_else(|| {
         std::io::Error::other(format!(
             "a stream QP without its receive ring of generation {generation}"
@@ -807,10 +805,10 @@ fn recv_ring(qp: &RcQueuePair, generation: u32) -> std::io::Result<&RegisteredBu
 }
 
 /// Our half of the handshake for a stream QP.
-pub(crate) fn local_hello(qp: &RcQueuePair, cfg: &RdmaConfig) -> Hello {
+pub(crate) fn local_hello(qp: &StreamQp, cfg: &RdmaConfig) -> Hello {
     Hello {
         kind: EndpointKind::ByteStream,
-        ring_addr: qp.recv_ring().map_or(0, |r| r.addr()),
+        ring_addr: qp.first_ring_addr(),
         ring_rkey: qp.ring_rkey(),
         ring_len: cfg.ring_size,
         recv_depth: cfg.recv_queue_depth,
@@ -820,11 +818,8 @@ pub(crate) fn local_hello(qp: &RcQueuePair, cfg: &RdmaConfig) -> Hello {
 }
 
 /// Builds the stream's state and starts the connection's driver.
-pub(crate) fn start(
-    est: Established<RcQueuePair>,
-    cfg: &RdmaConfig,
-) -> Result<Handle<StreamState>> {
-    let max_inline = est.qp.max_inline();
+pub(crate) fn start(est: Established<StreamQp>, cfg: &RdmaConfig) -> Result<Handle<StreamState>> {
+    let max_inline = est.qp.rc().max_inline();
     match est.qp.ring_isolation() {
         RingIsolation::OwnPd => tracing::info!(
             device = %est.device,

@@ -10,6 +10,7 @@ use tokio::net::ToSocketAddrs;
 
 use super::RdmaStream;
 use super::conn::{self, StreamState};
+use super::qp::StreamQp;
 use crate::config::RdmaConfig;
 use crate::conn::{Established, Handle, Listener, Setup};
 use crate::error::Result;
@@ -22,7 +23,7 @@ pub(crate) struct StreamSetup(pub(crate) RdmaConfig);
 
 impl Setup for StreamSetup {
     type Out = Handle<StreamState>;
-    type Qp = RcQueuePair;
+    type Qp = StreamQp;
     const KIND: EndpointKind = EndpointKind::ByteStream;
     fn rdma(&self) -> &RdmaConfig {
         &self.0
@@ -30,17 +31,17 @@ impl Setup for StreamSetup {
     fn sizes(&self) -> RcSizes {
         self.0.stream_sizes()
     }
-    async fn prepare(&self, _device: &Arc<OpenDevice>, qp: RcQueuePair) -> Result<RcQueuePair> {
-        Ok(qp)
+    async fn prepare(&self, _device: &Arc<OpenDevice>, qp: RcQueuePair) -> Result<StreamQp> {
+        StreamQp::new(qp, &self.0)
     }
-    fn on_init(&self, qp: &mut RcQueuePair) -> Result<Hello> {
+    fn on_init(&self, qp: &mut StreamQp) -> Result<Hello> {
         qp.post_recvs(self.0.recv_queue_depth.into())?;
         Ok(conn::local_hello(qp, &self.0))
     }
-    async fn on_rts(&self, qp: &mut RcQueuePair) -> Result<()> {
+    async fn on_rts(&self, qp: &mut StreamQp) -> Result<()> {
         qp.bind_ring_window().await
     }
-    fn finish(&self, est: Established<RcQueuePair>) -> Result<Handle<StreamState>> {
+    fn finish(&self, est: Established<StreamQp>) -> Result<Handle<StreamState>> {
         conn::start(est, &self.0)
     }
 }

@@ -3,6 +3,8 @@
 
 mod conn;
 mod listener;
+#[allow(unsafe_code)]
+mod qp;
 mod split;
 
 use std::io;

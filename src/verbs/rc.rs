@@ -1,14 +1,16 @@
-//! One reliable-connected (RC) queue pair with everything it needs: its
-//! completion queue (CQ, reporting to a completion channel of its own or
-//! its runtime's, see [`super::events`]), its registered send buffer and
-//! receive ring (MRs), on a protection domain (PD) shared per device.
+//! One reliable-connected (RC) queue pair and its completion queue (CQ,
+//! reporting to a completion channel of its own or its runtime's, see
+//! [`super::events`]), on a protection domain (PD) shared per device or
+//! (on request, for a device without memory windows) one of its own;
+//! registered buffers ([`RegisteredBuffer`]); the raw posting of work
+//! requests (WRs).
 //!
-//! Teardown order is QP, then MRs, then CQ (every event is acknowledged
-//! when read, so `ibv_destroy_cq` does not wait), then its channel; the PD
-//! and device context live in a process-wide registry. The owner must not
-//! drop a [`RcQueuePair`] while the NIC may still touch its memory: the
-//! stream driver only drops it after the QP is in the error state and its
-//! completions are drained, or never connected.
+//! This is mechanism only: which memory a WR names, and how long it must
+//! stay allocated, is the QP adapter's (`stream::qp`, `message::qp`),
+//! which owns that memory beside the [`RcQueuePair`] and destroys the QP
+//! first (field order). Teardown order here is QP, then CQ (every event is
+//! acknowledged when read, so `ibv_destroy_cq` does not wait), then its
+//! channel; the PD and device context live in a process-wide registry.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::collections::HashMap;
@@ -53,17 +55,8 @@ pub(crate) struct OpenDevice {
     pub(crate) max_cqe: u32,
     /// The device's object limits, for typed resource errors.
     pub(crate) limits: DeviceLimits,
-    /// Idle stream send buffers on `pd`, kept for the next stream that has
-    /// data to send (at most [`SEND_BUFFER_CACHE_BYTES`] in all).
-    send_buffers: Mutex<Vec<(RegisteredBuffer, Counted)>>,
     _counted_pd: Counted,
 }
-
-/// Bytes of idle stream send buffers an opened device keeps registered
-/// for reuse: 4 MiB (64 buffers of the default 64 KiB), so connections
-/// that take turns sending do not register and deregister a buffer per
-/// response, while thousands of idle connections pin none.
-pub(crate) const SEND_BUFFER_CACHE_BYTES: usize = 4 << 20;
 
 impl OpenDevice {
     /// Whether the device has type-2 memory windows.
@@ -71,30 +64,10 @@ impl OpenDevice {
         self.max_mw > 0
     }
 
-    /// A registered, local-only send buffer of `len` bytes on the device's
-    /// PD: a cached idle one, or a new registration.
-    fn take_send_buffer(&self, len: usize) -> Result<RegisteredBuffer> {
-        let cached = {
-            let mut cache = self.send_buffers.lock().unwrap_or_else(|p| p.into_inner());
-            cache
-                .iter()
-                .position(|(b, _)| b.len() == len)
-                .map(|i| cache.swap_remove(i).0)
-        };
-        match cached {
-            Some(b) => Ok(b),
-            None => RegisteredBuffer::new(&self.pd, len, AccessFlags::LocalWrite, &self.limits),
-        }
-    }
-
-    /// Keeps `buf` for reuse, or deregisters it when the cache is full.
-    fn return_send_buffer(&self, buf: RegisteredBuffer) {
-        let mut cache = self.send_buffers.lock().unwrap_or_else(|p| p.into_inner());
-        let cached: usize = cache.iter().map(|(b, _)| b.len()).sum();
-        if cached + buf.len() <= SEND_BUFFER_CACHE_BYTES {
-            let counted = Counted::idle_send_buffer(buf.len());
-            cache.push((buf, counted));
-        }
+    /// Allocates and registers `len` bytes with `access` on the device's
+    /// shared PD ([`RegisteredBuffer::new`]).
+    pub(crate) fn register_buffer(&self, len: usize, access: MrAccess) -> Result<RegisteredBuffer> {
+        RegisteredBuffer::new(&self.pd, len, access, &self.limits)
     }
 }
 
@@ -148,7 +121,6 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         max_mw,
         max_cqe,
         limits,
-        send_buffers: Mutex::new(Vec::new()),
         _counted_pd: Counted::new(Kind::ProtectionDomain),
     });
     map.insert(name.to_string(), Arc::clone(&d));
@@ -179,6 +151,10 @@ pub(crate) enum MrAccess {
     LocalWrite,
     /// No access flags: a read-only region on a device without windows.
     LocalRead,
+    /// `IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE`: a stream's receive ring on
+    /// a device without windows, on a QP with a PD of its own (so the key
+    /// is useless from any other QP). Never a pool or user region.
+    LocalWriteRemoteWrite,
 }
 
 impl MrAccess {
@@ -197,6 +173,7 @@ impl MrAccess {
             MrAccess::MwBind => AccessFlags::MemoryWindowBind,
             MrAccess::LocalWrite => AccessFlags::LocalWrite,
             MrAccess::LocalRead => AccessFlags::none(),
+            MrAccess::LocalWriteRemoteWrite => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
         }
     }
 }
@@ -281,17 +258,18 @@ unsafe impl Send for RegisteredBuffer {}
 unsafe impl Sync for RegisteredBuffer {}
 
 impl RegisteredBuffer {
-    /// Allocates and registers `len` bytes on `pd`.
+    /// Allocates and registers `len` bytes with `access` on `pd`.
     ///
     /// # Errors
     /// [`Error::ResourceLimit`] at RLIMIT_MEMLOCK or the device's `max_mr`
     /// (from `limits`), [`Error::Verbs`] for other failures.
-    pub(crate) fn new(
+    fn new(
         pd: &Arc<ProtectionDomain>,
         len: usize,
-        access: AccessFlags,
+        access: MrAccess,
         limits: &DeviceLimits,
     ) -> Result<Self> {
+        let access = access.flags();
         let layout = Layout::from_size_align(len.max(1), 4096).map_err(|_| Error::Verbs {
             op: "alloc",
             source: io::Error::from(io::ErrorKind::InvalidInput),
@@ -425,16 +403,10 @@ pub(crate) struct RcSizes {
     pub recv_depth: u32,
     /// Inline data requested (bytes); the provider may grant less or more.
     pub max_inline: u32,
-    /// Registered send buffer (bytes).
-    pub send_buf: usize,
-    /// Take the send buffer from the device's cache only while there is
-    /// data to send ([`RcQueuePair::ensure_send_buf`],
-    /// [`RcQueuePair::release_send_buf`]) instead of holding it for the
-    /// QP's life. Ignored on a QP with a PD of its own.
-    pub send_buf_on_demand: bool,
-    /// Registered receive ring the peer writes into (bytes); 0 for none
-    /// (a message endpoint, whose receives land in pool buffers).
-    pub recv_ring: usize,
+    /// On a device without memory windows, create the QP on a PD of its
+    /// own (a stream, whose ring is then opened by the MR's own key, which
+    /// is useless from any other QP: [`RcQueuePair::has_own_pd`]).
+    pub own_pd_without_windows: bool,
     /// Take a seat on a CQ shared with other QPs of the runtime instead of
     /// a CQ of its own ([`QpCq`]).
     pub share_cq: bool,
@@ -454,12 +426,115 @@ pub(crate) enum WcKind {
     Other,
 }
 
-/// One work completion, copied out of the CQ.
+/// Whose work request (WR) a completion reports, decoded once from its
+/// wr_id (in [`Completion::from_wc`]). A QP adapter numbers its WRs in
+/// these spaces and posts them with [`Work::wr_id`]; nothing above the
+/// verbs layer reads wr_id bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Work {
+    /// A send-queue WR numbered by the protocol core (below 2^60).
+    Core(u64),
+    /// A receive WR: its token (0 for a stream's zero-length receives).
+    Recv(u64),
+    /// A memory-window bind or invalidation posted by a QP adapter.
+    Window(u64),
+    /// A keepalive probe ([`RcQueuePair::post_probe`]).
+    Probe,
+    /// Remote-memory work (`crate::remote`: one-sided operations, grant
+    /// binds and revocations): its completion goes to the waiting
+    /// operation, not the protocol core.
+    Remote(u64),
+}
+
+/// Receive WRs carry this wr_id bit, so send and receive completions are
+/// told apart even on providers that report odd opcodes on errors.
+const RECV_BIT: u64 = 1 << 63;
+/// Memory-window binds and invalidations, and the keepalive probe.
+const WINDOW_BIT: u64 = 1 << 62;
+/// The keepalive probe (with [`WINDOW_BIT`]).
+const PROBE_WR_ID: u64 = WINDOW_BIT | (1 << 61);
+/// Remote-memory work.
+const REMOTE_BIT: u64 = 1 << 60;
+/// The bits that name a [`Work`] space.
+const SPACE_BITS: u64 = RECV_BIT | WINDOW_BIT | REMOTE_BIT;
+
+impl Work {
+    /// The wr_id to post this WR with. A number must stay below 2^60: the
+    /// protocol core's and the adapters' are counters.
+    pub(crate) fn wr_id(self) -> u64 {
+        let (bit, n) = match self {
+            Work::Core(n) => (0, n),
+            Work::Recv(n) => (RECV_BIT, n),
+            Work::Window(n) => (WINDOW_BIT, n),
+            Work::Probe => return PROBE_WR_ID,
+            Work::Remote(n) => (REMOTE_BIT, n),
+        };
+        debug_assert_eq!(
+            n & (SPACE_BITS | PROBE_WR_ID),
+            0,
+            "{self:?} out of its space"
+        );
+        bit | n
+    }
+
+    /// The WR a completion's wr_id names.
+    pub(crate) fn of_wr_id(wr_id: u64) -> Work {
+        if wr_id & RECV_BIT != 0 {
+            Work::Recv(wr_id & !RECV_BIT)
+        } else if wr_id == PROBE_WR_ID {
+            Work::Probe
+        } else if wr_id & WINDOW_BIT != 0 {
+            Work::Window(wr_id & !WINDOW_BIT)
+        } else if wr_id & REMOTE_BIT != 0 {
+            Work::Remote(wr_id & !REMOTE_BIT)
+        } else {
+            Work::Core(wr_id)
+        }
+    }
+}
+
+/// How a WR ended (`ibv_wc_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WcStatus {
+    /// `IBV_WC_SUCCESS`.
+    Success,
+    /// `IBV_WC_WR_FLUSH_ERR`: flushed because its QP is in the error state
+    /// (the NIC no longer touches its memory).
+    Flushed,
+    /// Any other failure, with its `ibv_wc_status` code.
+    Failed(u32),
+}
+
+impl WcStatus {
+    /// `IBV_WC_SUCCESS`.
+    const SUCCESS: u32 = 0;
+    /// `IBV_WC_WR_FLUSH_ERR`.
+    const WR_FLUSH_ERR: u32 = 5;
+
+    pub(crate) fn from_code(code: u32) -> WcStatus {
+        match code {
+            Self::SUCCESS => WcStatus::Success,
+            Self::WR_FLUSH_ERR => WcStatus::Flushed,
+            other => WcStatus::Failed(other),
+        }
+    }
+
+    /// The `ibv_wc_status` code, for errors.
+    pub(crate) fn code(self) -> u32 {
+        match self {
+            WcStatus::Success => Self::SUCCESS,
+            WcStatus::Flushed => Self::WR_FLUSH_ERR,
+            WcStatus::Failed(code) => code,
+        }
+    }
+}
+
+/// One work completion, copied out of the CQ, its wr_id decoded.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Completion {
-    pub wr_id: u64,
-    /// `IBV_WC_SUCCESS` (0) or the failure status (`ibv_wc_status`).
-    pub status: u32,
+    /// The WR it reports.
+    pub work: Work,
+    pub status: WcStatus,
     pub kind: WcKind,
     /// Immediate data in host byte order (RecvImm and Recv).
     pub imm: u32,
@@ -481,12 +556,23 @@ impl Completion {
         // reading initialised plain data.
         let imm = unsafe { wc.imm_data_invalidated_rkey_union.imm_data };
         Completion {
-            wr_id: wc.wr_id,
-            status: wc.status,
+            work: Work::of_wr_id(wc.wr_id),
+            status: WcStatus::from_code(wc.status),
             kind,
             imm: u32::from_be(imm),
             byte_len: wc.byte_len,
         }
+    }
+
+    /// The wr_id it was posted with (the key a QP adapter's ledger and
+    /// maps use; for logs).
+    pub(crate) fn wr_id(&self) -> u64 {
+        self.work.wr_id()
+    }
+
+    /// Whether it completed without error.
+    pub(crate) fn ok(&self) -> bool {
+        self.status == WcStatus::Success
     }
 }
 
@@ -499,7 +585,8 @@ pub(crate) struct Sge {
     pub lkey: u32,
 }
 
-/// The payload of a SEND ([`SendOp::SendImm`]).
+/// The payload of a SEND or an RDMA WRITE WITH IMM ([`SendOp::SendImm`],
+/// [`SendOp::WriteImm`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum SendPayload<'a> {
     /// No payload.
@@ -515,7 +602,8 @@ pub(crate) enum SendPayload<'a> {
 pub(crate) struct SendWr<'a> {
     pub wr_id: u64,
     pub signaled: bool,
-    /// `IBV_SEND_SOLICITED` (a SEND only; see `RcQueuePair::arm`).
+    /// `IBV_SEND_SOLICITED` (a WR that consumes a receive WR at the peer:
+    /// a SEND or an RDMA WRITE WITH IMM; see `RcQueuePair::arm`).
     pub solicited: bool,
     pub op: SendOp<'a>,
 }
@@ -525,6 +613,14 @@ pub(crate) struct SendWr<'a> {
 pub(crate) enum SendOp<'a> {
     /// SEND WITH IMMEDIATE (`imm` in host order).
     SendImm { payload: SendPayload<'a>, imm: u32 },
+    /// RDMA WRITE WITH IMMEDIATE of `payload` to `remote_addr` (`imm` in
+    /// host order): consumes one receive WR at the peer.
+    WriteImm {
+        payload: SendPayload<'a>,
+        remote_addr: u64,
+        rkey: u32,
+        imm: u32,
+    },
     /// RDMA READ of `local.len` bytes from `remote_addr` into `local`.
     Read {
         local: Sge,
@@ -557,85 +653,27 @@ pub(crate) enum SendOp<'a> {
     },
 }
 
-/// Remote-memory operations and grants (`crate::remote`) carry this wr_id
-/// bit: their completions go to the waiting operation, not the protocol
-/// core.
-pub(crate) const REMOTE_WR_FLAG: u64 = 1 << 60;
-
-/// `IBV_WC_SUCCESS`: a completion without error.
-pub(crate) const WC_SUCCESS: u32 = 0;
-/// `IBV_WC_WR_FLUSH_ERR`: a WR flushed because its QP is in the error
-/// state (the NIC no longer touches its memory).
-pub(crate) const WC_WR_FLUSH_ERR: u32 = 5;
-
-/// Receive WRs carry this wr_id bit so send and receive completions are
-/// told apart even on providers that report odd opcodes on errors.
-pub(crate) const RECV_WR_FLAG: u64 = 1 << 63;
-
-/// An RC QP, its CQ (reporting to a completion channel of its own or its
-/// runtime's, see [`super::events`]), and its two registered buffers.
+/// An RC QP and its CQ (reporting to a completion channel of its own or
+/// its runtime's, see [`super::events`]).
 pub(crate) struct RcQueuePair {
-    // Drop order: the ring's window (before the QP it is bound to and the
-    // MR under it) and the QP (both in Drop, then the CQ's route), then
-    // the buffers, the CQ (or its seat on a shared one), its completion
-    // channel (or the hub's reference), the PD of its own.
-    ring_window: Option<MemoryWindow>,
+    // Drop order: the QP (in Drop, then the CQ's route), the CQ (or its
+    // seat on a shared one), its completion channel (or the hub's
+    // reference), the PD of its own.
     /// Destroyed first in Drop (before the CQ is polled a last time).
     qp: ManuallyDrop<BasicQueuePair>,
     qp_num: u32,
-    /// `None` while an on-demand send buffer is not held.
-    send_buf: Option<RegisteredBuffer>,
-    send_buf_len: usize,
-    send_buf_on_demand: bool,
-    /// `None` for a QP without a ring (a message endpoint's), and once the
-    /// ring of the handshake (generation 0) was retired after a growth.
-    recv_ring: Option<RegisteredBuffer>,
-    /// Receive rings registered after the handshake (a stream's grown
-    /// rings), oldest first; their windows are dropped in Drop before the
-    /// QP.
-    grown_rings: Vec<GrownRing>,
-    /// The oldest ring generation still held.
-    ring_base: u32,
     cq: QpCq,
     events: Arc<CqEvents>,
     /// A keepalive probe was posted and its completion not polled yet.
     probe_outstanding: bool,
-    /// Reused for the payload of inline WRs (no allocation per post).
-    inline_scratch: Vec<u8>,
     max_inline: u32,
-    ring_isolation: RingIsolation,
-    _pd: Arc<ProtectionDomain>,
+    /// The QP is on a PD of its own (`RcSizes::own_pd_without_windows` on
+    /// a device without windows), not the device's.
+    own_pd: bool,
+    pd: Arc<ProtectionDomain>,
     device: Arc<OpenDevice>,
     /// QP and (with a PD of its own) the PD.
     _counted: Vec<Counted>,
-}
-
-/// A receive ring registered after the handshake: generation `generation`
-/// of a stream whose ring grew ([`RcQueuePair::add_ring`]).
-struct GrownRing {
-    generation: u32,
-    /// Opens `buf` to the peer on this QP; dropped (deallocated, so its key
-    /// dies) before `buf` is deregistered (field order).
-    window: Option<MemoryWindow>,
-    buf: RegisteredBuffer,
-}
-
-/// The wr_id of a grown ring's window bind ([`RcQueuePair::add_ring`]).
-pub(crate) const RING_BIND_WR_ID: u64 = MW_WR_FLAG | 2;
-
-/// How a stream's receive ring is opened to the peer: never by a key that
-/// any other connection's QP could use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum RingIsolation {
-    /// No ring (a message endpoint).
-    NoRing,
-    /// The ring MR has no remote access; a type-2 window bound on this QP
-    /// grants REMOTE_WRITE over exactly the ring.
-    Window,
-    /// A device without windows: the QP and its buffers live on a PD of
-    /// their own, so the ring's REMOTE_WRITE key is useless from any other
-    /// QP.
-    OwnPd,
 }
 
 /// The memory a window is bound over: `len` bytes at virtual address
@@ -647,36 +685,18 @@ pub(crate) struct BindTarget {
     pub len: u64,
 }
 
-/// Work requests the verbs layer posts for itself (memory-window binds and
-/// invalidations) carry this wr_id bit, so runtimes tell them apart from
-/// their own.
-pub(crate) const MW_WR_FLAG: u64 = 1 << 62;
-
-/// The wr_id of a keepalive probe ([`RcQueuePair::post_probe`]).
-pub(crate) const PROBE_WR_ID: u64 = MW_WR_FLAG | (1 << 61);
-
-fn verbs(op: &'static str) -> impl FnOnce(io::Error) -> Error {
-    move |source| Error::Verbs { op, source }
-}
-
 impl RcQueuePair {
     /// Creates the CQ (on a completion channel of its own, or the current
-    /// tokio runtime's for the device: [`CqEvents::new`]), the QP in RESET,
-    /// and both buffers. Must run on a tokio runtime.
+    /// tokio runtime's for the device: [`CqEvents::new`]) and the QP in
+    /// RESET. Must run on a tokio runtime.
     pub(crate) fn new(device: Arc<OpenDevice>, sizes: RcSizes) -> Result<Self> {
         let limits = &device.limits;
         let events = CqEvents::new(&device, sizes.share_cq)?;
         let mut counted = Vec::with_capacity(2);
         let entries = sizes.send_depth + sizes.recv_depth + 16;
         let cq = QpCq::new(&device, &events, entries, sizes.share_cq)?;
-        let ring_isolation = if sizes.recv_ring == 0 {
-            RingIsolation::NoRing
-        } else if device.has_memory_windows() {
-            RingIsolation::Window
-        } else {
-            RingIsolation::OwnPd
-        };
-        let pd = if ring_isolation == RingIsolation::OwnPd {
+        let own_pd = sizes.own_pd_without_windows && !device.has_memory_windows();
+        let pd = if own_pd {
             let pd = device.ctx.alloc_pd().map_err(|e| Error::Verbs {
                 op: "ibv_alloc_pd",
                 source: errno_of!(e, AllocateProtectionDomainErrorKind::Ibverbs),
@@ -705,325 +725,40 @@ impl RcQueuePair {
                 )
             })?;
         counted.push(Counted::new(Kind::QueuePair));
-        // A QP on a PD of its own cannot use the device's cached buffers.
-        let send_buf_on_demand = sizes.send_buf_on_demand && ring_isolation != RingIsolation::OwnPd;
-        // An on-demand buffer is taken now too and given back once the
-        // connection is idle: a process that cannot pin one busy
-        // connection's memory (RLIMIT_MEMLOCK) fails at connect or accept,
-        // where `auto://` can still fall back to TCP, not at its first write.
-        let send_buf = if send_buf_on_demand {
-            Some(device.take_send_buffer(sizes.send_buf)?)
-        } else if sizes.send_buf == 0 {
-            None
-        } else {
-            Some(RegisteredBuffer::new(
-                &pd,
-                sizes.send_buf,
-                AccessFlags::LocalWrite,
-                limits,
-            )?)
-        };
-        let ring_access = match ring_isolation {
-            RingIsolation::NoRing => AccessFlags::LocalWrite,
-            RingIsolation::Window => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
-            RingIsolation::OwnPd => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
-        };
-        let recv_ring = if sizes.recv_ring == 0 {
-            None
-        } else {
-            Some(RegisteredBuffer::new(
-                &pd,
-                sizes.recv_ring,
-                ring_access,
-                limits,
-            )?)
-        };
-        let ring_window = match ring_isolation {
-            RingIsolation::Window => Some(MemoryWindow::alloc(&device)?),
-            _ => None,
-        };
         let qp_num = qp.qp_number();
         // Completions on a shared CQ reach this QP from now on (it is in
         // RESET: none can come before). Nothing fails after this.
         cq.route(qp_num);
         Ok(RcQueuePair {
-            ring_window,
             qp: ManuallyDrop::new(qp),
             qp_num,
-            send_buf,
-            send_buf_len: sizes.send_buf,
-            send_buf_on_demand,
-            recv_ring,
-            grown_rings: Vec::new(),
-            ring_base: 0,
             cq,
             events: Arc::new(events),
             probe_outstanding: false,
-            inline_scratch: Vec::new(),
             max_inline: sizes.max_inline,
-            ring_isolation,
-            _pd: pd,
+            own_pd,
+            pd,
             device,
             _counted: counted,
         })
     }
 
-    /// The send buffer, taking one from the device's cache (or registering
-    /// one) if an on-demand buffer is not held now.
-    ///
-    /// # Errors
-    /// [`Error::Verbs`] (`ibv_reg_mr`, errno kept: `ENOMEM` at
-    /// RLIMIT_MEMLOCK) when a new buffer cannot be registered.
-    pub(crate) fn ensure_send_buf(&mut self) -> Result<&mut RegisteredBuffer> {
-        match &mut self.send_buf {
-            Some(buf) => Ok(buf),
-            slot @ None => Ok(slot.insert(self.device.take_send_buffer(self.send_buf_len)?)),
-        }
+    /// Whether the QP is on a PD of its own (see
+    /// [`RcSizes::own_pd_without_windows`]).
+    pub(crate) fn has_own_pd(&self) -> bool {
+        self.own_pd
     }
 
-    /// The send buffer if one is held now, to copy into.
-    pub(crate) fn send_buf_mut(&mut self) -> Option<&mut RegisteredBuffer> {
-        self.send_buf.as_mut()
-    }
-
-    /// Gives an on-demand send buffer back to the device's cache. The
-    /// caller guarantees that no posted WR still reads it (every WR that
-    /// referenced it completed, and the QP is healthy). No-op for a buffer
-    /// held for the QP's life.
-    pub(crate) fn release_send_buf(&mut self) {
-        if self.send_buf_on_demand {
-            if let Some(buf) = self.send_buf.take() {
-                self.device.return_send_buffer(buf);
-            }
-        }
-    }
-
-    /// Replaces the send buffer with one of `len` bytes: from the device's
-    /// cache (or a new registration) for an on-demand buffer, which gives
-    /// the old one back to the cache; a new registration on the QP's PD
-    /// otherwise. The caller guarantees that no posted WR still reads the
-    /// current buffer (the core's `send_buf_in_use` is 0).
-    ///
-    /// # Errors
-    /// As [`RegisteredBuffer::new`] ([`Error::ResourceLimit`] at
-    /// RLIMIT_MEMLOCK): the current buffer and length stay as they were.
-    pub(crate) fn resize_send_buf(&mut self, len: usize) -> Result<()> {
-        if len == self.send_buf_len {
-            return Ok(());
-        }
-        let new = if self.send_buf_on_demand {
-            self.device.take_send_buffer(len)?
-        } else {
-            RegisteredBuffer::new(&self._pd, len, AccessFlags::LocalWrite, &self.device.limits)?
-        };
-        self.send_buf_len = len;
-        // An on-demand buffer goes back to the cache; one held for the
-        // QP's life is deregistered when replaced.
-        self.release_send_buf();
-        self.send_buf = Some(new);
-        Ok(())
-    }
-
-    /// Registered bytes this QP holds now: the receive ring and the send
-    /// buffer while held.
-    pub(crate) fn registered_bytes(&self) -> usize {
-        self.recv_ring.as_ref().map_or(0, RegisteredBuffer::len)
-            + self.grown_rings.iter().map(|r| r.buf.len()).sum::<usize>()
-            + self.send_buf.as_ref().map_or(0, RegisteredBuffer::len)
-    }
-
-    /// How the receive ring is opened to the peer.
-    pub(crate) fn ring_isolation(&self) -> RingIsolation {
-        self.ring_isolation
+    /// Allocates and registers `len` bytes with `access` on this QP's PD
+    /// ([`RegisteredBuffer::new`]). The caller keeps it until the QP is
+    /// destroyed or no posted WR names it.
+    pub(crate) fn register_buffer(&self, len: usize, access: MrAccess) -> Result<RegisteredBuffer> {
+        RegisteredBuffer::new(&self.pd, len, access, &self.device.limits)
     }
 
     /// The device this QP is on.
     pub(crate) fn device(&self) -> &Arc<OpenDevice> {
         &self.device
-    }
-
-    /// The receive ring (a byte stream's QP has one; a message endpoint's
-    /// has none).
-    pub(crate) fn recv_ring(&self) -> Option<&RegisteredBuffer> {
-        self.recv_ring.as_ref()
-    }
-
-    /// The receive ring of `generation` (0: the handshake's; later ones
-    /// from [`add_ring`](Self::add_ring)), while it is held.
-    pub(crate) fn ring(&self, generation: u32) -> Option<&RegisteredBuffer> {
-        if generation == 0 {
-            return self.recv_ring.as_ref();
-        }
-        self.grown_rings
-            .iter()
-            .find(|r| r.generation == generation)
-            .map(|r| &r.buf)
-    }
-
-    /// The key the peer writes ring `generation` with (0 once it is
-    /// retired); for the guest tests' isolation checks.
-    #[cfg(tokio_rdma_guest)]
-    pub(crate) fn ring_rkey_of(&self, generation: u32) -> u32 {
-        if generation == 0 {
-            return if self.recv_ring.is_some() {
-                self.ring_rkey()
-            } else {
-                0
-            };
-        }
-        self.grown_rings
-            .iter()
-            .find(|r| r.generation == generation)
-            .map_or(0, |r| {
-                r.window.as_ref().map_or(r.buf.rkey(), MemoryWindow::rkey)
-            })
-    }
-
-    /// Registers receive ring `generation` of `len` bytes and opens it to
-    /// the peer as the first ring is: a type-2 window bound on this QP
-    /// with REMOTE_WRITE over exactly the ring (the bind is posted, signaled,
-    /// on the send queue, where it executes before any WR posted after it:
-    /// the peer learns the key only from WRs posted later, see
-    /// `StreamCore::offer_ring`), or, on a device without windows, the
-    /// MR's own key on this QP's own PD. Returns the ring's address and
-    /// key. Uses the send-queue slot `RdmaConfig::stream_sizes` keeps for
-    /// it.
-    ///
-    /// # Errors
-    /// [`Error::ResourceLimit`] at RLIMIT_MEMLOCK or the device's
-    /// `max_mr`/`max_mw`, [`Error::Verbs`] if registering, allocating the
-    /// window or posting the bind fails, [`Error::Internal`] on a QP
-    /// without a ring. Nothing is held after an error.
-    pub(crate) fn add_ring(&mut self, generation: u32, len: usize) -> Result<(u64, u32)> {
-        let access = match self.ring_isolation {
-            RingIsolation::NoRing => {
-                return Err(Error::Internal(
-                    "a ring growth on a QP without a ring".into(),
-                ));
-            }
-            RingIsolation::Window => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
-            RingIsolation::OwnPd => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
-        };
-        let buf = RegisteredBuffer::new(&self._pd, len, access, &self.device.limits)?;
-        let (window, rkey) = match self.ring_isolation {
-            RingIsolation::Window => {
-                let mut window = MemoryWindow::alloc(&self.device)?;
-                let target = BindTarget {
-                    mr: buf.raw_mr() as usize,
-                    addr: buf.addr(),
-                    len: buf.len() as u64,
-                };
-                // SAFETY: `buf` is registered with MW_BIND and LOCAL_WRITE
-                // on this QP's PD and covers the target; it is kept in
-                // `grown_rings` with the window, which is dropped (and so
-                // invalidated) before `buf` in every path (field order,
-                // Drop, retire_rings_before), so the window never outlives
-                // the memory it opens. On an error both are dropped here,
-                // window first.
-                let rkey = unsafe {
-                    self.post_bind_mw(
-                        RING_BIND_WR_ID,
-                        &mut window,
-                        target,
-                        WindowAccess::RemoteWrite,
-                        true,
-                    )
-                }?;
-                (Some(window), rkey)
-            }
-            _ => (None, buf.rkey()),
-        };
-        let addr = buf.addr();
-        self.grown_rings.push(GrownRing {
-            generation,
-            window,
-            buf,
-        });
-        Ok((addr, rkey))
-    }
-
-    /// Frees the receive rings of generations below `generation` (their
-    /// windows first, so their keys die before the memory is
-    /// deregistered). The peer no longer writes them and nothing is left
-    /// to read in them (`StreamCore::oldest_ring`).
-    pub(crate) fn retire_rings_before(&mut self, generation: u32) {
-        if generation <= self.ring_base {
-            return;
-        }
-        self.ring_base = generation;
-        if generation > 0 {
-            drop(self.ring_window.take());
-            drop(self.recv_ring.take());
-        }
-        self.grown_rings.retain(|r| r.generation >= generation);
-    }
-
-    /// The key the peer writes the ring with: the window's key once
-    /// [`bind_ring_window`](Self::bind_ring_window) ran (announced in the
-    /// handshake before, since the bind chooses it), or the ring MR's own
-    /// key on a QP with a PD of its own.
-    pub(crate) fn ring_rkey(&self) -> u32 {
-        match &self.ring_window {
-            Some(w) => w.next_rkey(),
-            None => self.recv_ring.as_ref().map_or(0, RegisteredBuffer::rkey),
-        }
-    }
-
-    /// Binds the ring's window (REMOTE_WRITE over exactly the ring, on this
-    /// QP) and waits for the bind to complete. The QP must be in RTS and
-    /// the peer must not write yet (called before `rdma_accept`/the RTU).
-    /// No-op without a window.
-    ///
-    /// # Errors
-    /// [`Error::Verbs`] if posting fails, [`Error::WorkCompletion`] if the
-    /// bind completes with an error, [`Error::Internal`] if it does not
-    /// complete within 5 s.
-    pub(crate) async fn bind_ring_window(&mut self) -> Result<()> {
-        let Some(mut window) = self.ring_window.take() else {
-            return Ok(());
-        };
-        let Some(ring) = &self.recv_ring else {
-            return Err(Error::Internal("a ring window without a ring".into()));
-        };
-        let (addr, len, mr) = (ring.addr(), ring.len() as u64, ring.raw_mr() as usize);
-        let wr_id = MW_WR_FLAG;
-        let want = window.next_rkey();
-        // SAFETY: the ring lives as long as this QP and the window is
-        // dropped before both (field order), so the window never outlives
-        // the memory it opens.
-        let posted = unsafe {
-            self.post_bind_mw(
-                wr_id,
-                &mut window,
-                BindTarget { mr, addr, len },
-                WindowAccess::RemoteWrite,
-                true,
-            )
-        };
-        self.ring_window = Some(window);
-        let got = posted?;
-        debug_assert_eq!(got, want);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        let mut wcs = Vec::new();
-        loop {
-            wcs.clear();
-            self.poll(&mut wcs)?;
-            if let Some(wc) = wcs.iter().find(|wc| wc.wr_id == wr_id) {
-                if wc.status != 0 {
-                    return Err(Error::WorkCompletion {
-                        op: "BIND_MW",
-                        status: wc.status,
-                    });
-                }
-                return Ok(());
-            }
-            if std::time::Instant::now() > deadline {
-                return Err(Error::Internal(
-                    "the receive ring's memory-window bind did not complete".into(),
-                ));
-            }
-            tokio::task::yield_now().await;
-        }
     }
 
     /// A zeroed send WR with its id, opcode and (un)signaled flag set.
@@ -1209,7 +944,7 @@ impl RcQueuePair {
     /// # Errors
     /// [`Error::Verbs`] with the errno if posting fails.
     pub(crate) fn post_probe(&mut self) -> Result<()> {
-        let mut wr = Self::raw_send_wr(PROBE_WR_ID, ibv_wr_opcode::IBV_WR_RDMA_WRITE, true);
+        let mut wr = Self::raw_send_wr(Work::Probe.wr_id(), ibv_wr_opcode::IBV_WR_RDMA_WRITE, true);
         // SAFETY: no SGEs: the WR names no memory.
         unsafe { self.post_raw(&mut wr, "ibv_post_send (keepalive probe)") }?;
         self.probe_outstanding = true;
@@ -1246,74 +981,12 @@ impl RcQueuePair {
         }
         let mut guard = self.qp.start_post_recv();
         for _ in 0..n {
-            guard.construct_wr(RECV_WR_FLAG);
+            guard.construct_wr(Work::Recv(0).wr_id());
         }
         guard.post().map_err(|e| Error::Verbs {
             op: "ibv_post_recv",
             source: io::Error::other(e),
         })
-    }
-
-    /// Posts one RDMA WRITE WITH IMM of `len` bytes from the send buffer at
-    /// `local_offset` to `remote_addr` (rkey `rkey`); `len == 0` posts a
-    /// control message. `inline` copies the payload into the WQE.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn post_write_imm(
-        &mut self,
-        wr_id: u64,
-        local_offset: u32,
-        len: u32,
-        remote_addr: u64,
-        rkey: u32,
-        imm: u32,
-        signaled: bool,
-        inline: bool,
-    ) -> Result<()> {
-        // Solicited: the peer may arm its CQ for solicited events only
-        // (see `RcQueuePair::arm`); this WR consumes one of its receive WRs.
-        let flags = if signaled {
-            WorkRequestFlags::Signaled | WorkRequestFlags::Solicited
-        } else {
-            WorkRequestFlags::Solicited
-        };
-        // Taken and put back: no allocation per inline post (lost only on
-        // an error return).
-        let mut tmp = std::mem::take(&mut self.inline_scratch);
-        tmp.clear();
-        let (mut lkey, mut laddr) = (0, 0);
-        if len > 0 {
-            let buf = self
-                .send_buf
-                .as_ref()
-                .ok_or_else(|| Error::Internal("data WR posted without a send buffer".into()))?;
-            if inline {
-                tmp.resize(len as usize, 0);
-                buf.read_at(local_offset as usize, &mut tmp)
-                    .map_err(verbs("inline copy"))?;
-            }
-            lkey = buf.lkey();
-            laddr = buf.addr() + u64::from(local_offset);
-        }
-        let mut guard = self.qp.start_post_send();
-        let wr = guard
-            .construct_wr(wr_id, flags)
-            .setup_write_imm(rkey, remote_addr, imm.to_be());
-        if len > 0 {
-            if inline {
-                wr.setup_inline_data(&tmp);
-            } else {
-                // SAFETY: the range lies in our registered send buffer (the
-                // core hands out offsets inside it) and stays allocated until
-                // the QP is destroyed, which happens first in Drop.
-                unsafe { wr.setup_sge(lkey, laddr, len) };
-            }
-        }
-        let posted = guard.post().map_err(|e| Error::Verbs {
-            op: "ibv_post_send",
-            source: io::Error::other(e),
-        });
-        self.inline_scratch = tmp;
-        posted
     }
 
     /// Posts one receive WR per `(wr_id, sge)`: a SEND lands in the SGE's
@@ -1340,8 +1013,9 @@ impl RcQueuePair {
         })
     }
 
-    /// Posts `wrs` (SEND WITH IMM and RDMA READ) with one `ibv_post_send`
-    /// call: one doorbell for the whole batch.
+    /// Posts `wrs` (SEND and RDMA WRITE WITH IMM, RDMA READ and WRITE,
+    /// atomics) with one `ibv_post_send` call: one doorbell for the whole
+    /// batch.
     ///
     /// # Safety
     ///
@@ -1359,13 +1033,29 @@ impl RcQueuePair {
             } else {
                 WorkRequestFlags::none()
             };
-            if w.solicited && matches!(w.op, SendOp::SendImm { .. }) {
+            if w.solicited && matches!(w.op, SendOp::SendImm { .. } | SendOp::WriteImm { .. }) {
                 flags |= WorkRequestFlags::Solicited;
             }
             let wr = guard.construct_wr(w.wr_id, flags);
             match w.op {
                 SendOp::SendImm { payload, imm } => {
                     let wr = wr.setup_send_imm(imm.to_be());
+                    match payload {
+                        SendPayload::None => {}
+                        SendPayload::Inline(data) => wr.setup_inline_data(data),
+                        // SAFETY: the caller guarantees the SGE's memory.
+                        SendPayload::Sge(sge) => unsafe {
+                            wr.setup_sge(sge.lkey, sge.addr, sge.len)
+                        },
+                    }
+                }
+                SendOp::WriteImm {
+                    payload,
+                    remote_addr,
+                    rkey,
+                    imm,
+                } => {
+                    let wr = wr.setup_write_imm(rkey, remote_addr, imm.to_be());
                     match payload {
                         SendPayload::None => {}
                         SendPayload::Inline(data) => wr.setup_inline_data(data),
@@ -1430,7 +1120,7 @@ impl RcQueuePair {
     pub(crate) fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
         let start = out.len();
         let polled = self.cq.poll(self.qp_num, out);
-        if out[start..].iter().any(|wc| wc.wr_id == PROBE_WR_ID) {
+        if out[start..].iter().any(|wc| wc.work == Work::Probe) {
             self.probe_outstanding = false;
         }
         polled
@@ -1474,19 +1164,50 @@ impl AsMut<RcQueuePair> for RcQueuePair {
 
 impl Drop for RcQueuePair {
     fn drop(&mut self) {
-        // The windows before the QP they are bound to.
-        drop(self.ring_window.take());
-        for ring in &mut self.grown_rings {
-            drop(ring.window.take());
-        }
         // Only once the QP is destroyed (no completion of it can come any
         // more) is a shared CQ polled a last time and the route removed.
         let qp = &mut self.qp;
         self.cq.unroute_after(self.qp_num, || {
             // SAFETY: the QP is dropped exactly once, here; no method runs
-            // on `self` after Drop, and the fields dropped after it
-            // (buffers, CQ) outlive it as the NIC requires.
+            // on `self` after Drop. The CQ it reports to is a field dropped
+            // after it; memory its WRs name belongs to the QP adapter that
+            // owns this value, which drops it first (field order).
             unsafe { ManuallyDrop::drop(qp) }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{WcStatus, Work};
+
+    #[test]
+    fn every_work_space_decodes_to_itself() {
+        for n in [0, 1, 2, 0xF0, (1 << 60) - 1] {
+            for w in [
+                Work::Core(n),
+                Work::Recv(n),
+                Work::Window(n),
+                Work::Remote(n),
+            ] {
+                assert_eq!(Work::of_wr_id(w.wr_id()), w, "{w:?}");
+            }
+        }
+        assert_eq!(Work::of_wr_id(Work::Probe.wr_id()), Work::Probe);
+        assert_eq!(
+            Work::Core(7).wr_id(),
+            7,
+            "the core's numbers are its wr_ids"
+        );
+    }
+
+    #[test]
+    fn status_codes_round_trip() {
+        assert_eq!(WcStatus::from_code(0), WcStatus::Success);
+        assert_eq!(WcStatus::from_code(5), WcStatus::Flushed);
+        assert_eq!(WcStatus::from_code(12), WcStatus::Failed(12));
+        for code in 0..32 {
+            assert_eq!(WcStatus::from_code(code).code(), code);
+        }
     }
 }
