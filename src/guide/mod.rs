@@ -45,3 +45,10 @@ pub mod examples {}
 ///
 #[doc = include_str!("design.md")]
 pub mod design {}
+
+/// Architecture: the layers, which module may use which, the path of a
+/// stream write and of a message function by function, where `unsafe`
+/// lives and why.
+///
+#[doc = include_str!("architecture.md")]
+pub mod architecture {}
