@@ -51,12 +51,12 @@
 //! completion or flush.
 
 use std::fmt;
+use std::future::Future;
 use std::io;
 use std::ops::{BitOr, Range};
+use std::pin::Pin;
 use std::sync::{Arc, RwLock, Weak};
 
-use crate::conn::shared::Shared;
-use crate::message::MsgState;
 use crate::pool::PoolBuf;
 
 /// What a grant lets the peer do with its bytes: any set of RDMA READ,
@@ -438,7 +438,7 @@ impl RemoteRegion {
 /// [`revoke`](Self::revoke), or in the background when dropped; ends with
 /// its connection in any case.
 pub struct Grant {
-    pub(crate) conn: Weak<Shared<MsgState>>,
+    pub(crate) conn: Weak<dyn GrantOwner>,
     pub(crate) id: u64,
     pub(crate) remote: RemoteRegion,
     pub(crate) revoked: bool,
@@ -473,13 +473,22 @@ impl Grant {
         let Some(conn) = self.conn.upgrade() else {
             return Ok(());
         };
-        let Some(wr_id) = conn.revoke_grant(self.id).await? else {
-            return Ok(());
-        };
-        conn.wait_remote(wr_id, "memory window invalidation (revoke)")
-            .await
-            .map(|_| ())
+        conn.revoke(self.id).await
     }
+}
+
+/// What a [`Grant`] needs of the connection that bound it: revoking its
+/// window. The message endpoint's connection implements it, so this
+/// module does not depend on the endpoint.
+pub(crate) trait GrantOwner: Send + Sync {
+    /// Invalidates grant `id`'s window; resolves once the NIC confirmed
+    /// the LOCAL_INV, or at once with `Ok` when the connection already
+    /// ended. Errors as [`Grant::revoke`].
+    fn revoke(self: Arc<Self>, id: u64) -> Pin<Box<dyn Future<Output = io::Result<()>> + Send>>;
+
+    /// Invalidates grant `id`'s window in the background (the grant was
+    /// dropped); nothing when the connection already ended.
+    fn revoke_dropped(&self, id: u64);
 }
 
 impl Drop for Grant {
@@ -488,7 +497,7 @@ impl Drop for Grant {
             return;
         }
         if let Some(conn) = self.conn.upgrade() {
-            conn.revoke_dropped_grant(self.id);
+            conn.revoke_dropped(self.id);
         }
     }
 }

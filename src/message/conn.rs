@@ -1055,6 +1055,27 @@ impl MsgConn {
     }
 }
 
+/// A grant's connection: revoking goes through the remote slots below.
+impl crate::remote::GrantOwner for MsgConn {
+    fn revoke(
+        self: std::sync::Arc<Self>,
+        id: u64,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = io::Result<()>> + Send>> {
+        Box::pin(async move {
+            let Some(wr_id) = self.revoke_grant(id).await? else {
+                return Ok(());
+            };
+            self.wait_remote(wr_id, "memory window invalidation (revoke)")
+                .await
+                .map(|_| ())
+        })
+    }
+
+    fn revoke_dropped(&self, id: u64) {
+        self.revoke_dropped_grant(id);
+    }
+}
+
 /// Remote memory (`crate::remote`): posting one-sided operations, grant
 /// binds and revocations, and waiting for them.
 impl MsgConn {
