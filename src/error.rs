@@ -344,6 +344,19 @@ pub enum Error {
         device: String,
     },
 
+    /// The device has no RDMA atomics (`ibv_device_attr::atomic_cap` is
+    /// `IBV_ATOMIC_NONE`, as on Soft-iWARP, whose protocol has none):
+    /// [`MessageEndpoint::compare_swap`](crate::MessageEndpoint::compare_swap),
+    /// [`fetch_add`](crate::MessageEndpoint::fetch_add) and grants with
+    /// [`GrantAccess::ATOMIC`](crate::remote::GrantAccess::ATOMIC) are
+    /// refused before anything is posted; the endpoint stays usable. Maps
+    /// to [`io::ErrorKind::Unsupported`].
+    #[error("RDMA device {device} has no atomic operations (atomic_cap NONE)")]
+    NoAtomics {
+        /// The device name.
+        device: String,
+    },
+
     /// A broken internal invariant (a bug in tokio-rdma, never the peer's
     /// doing). Maps to [`io::ErrorKind::Other`].
     #[error("internal error: {0}")]
@@ -454,7 +467,7 @@ impl Error {
                 _ => io::ErrorKind::ConnectionAborted,
             },
             Error::IncomingMessageMemory { .. } => io::ErrorKind::OutOfMemory,
-            Error::NoMemoryWindows { .. } => io::ErrorKind::Unsupported,
+            Error::NoMemoryWindows { .. } | Error::NoAtomics { .. } => io::ErrorKind::Unsupported,
             Error::PeerDisconnected => io::ErrorKind::ConnectionReset,
             Error::DeviceRemoved | Error::LocalAbort => io::ErrorKind::ConnectionAborted,
             Error::WriteAfterShutdown | Error::PeerClosed => io::ErrorKind::BrokenPipe,
@@ -682,6 +695,9 @@ impl Clone for Error {
             Error::NoMemoryWindows { device } => Error::NoMemoryWindows {
                 device: device.clone(),
             },
+            Error::NoAtomics { device } => Error::NoAtomics {
+                device: device.clone(),
+            },
             Error::Internal(s) => Error::Internal(s.clone()),
         }
     }
@@ -824,6 +840,21 @@ mod tests {
                 io::Error::from_raw_os_error(libc::ENOMEM)
             )
         );
+    }
+
+    #[test]
+    fn a_device_without_atomics_is_unsupported_and_named() {
+        let err: io::Error = Error::NoAtomics {
+            device: "siw0".into(),
+        }
+        .into();
+        assert_eq!(err.kind(), io::ErrorKind::Unsupported);
+        assert_eq!(
+            err.to_string(),
+            "RDMA device siw0 has no atomic operations (atomic_cap NONE)"
+        );
+        let inner = Error::from_io(&err).expect("the crate's error");
+        assert!(matches!(inner.clone(), Error::NoAtomics { device } if device == "siw0"));
     }
 
     #[test]

@@ -698,8 +698,10 @@ impl MessageEndpoint {
     /// `InvalidInput` for an empty range or access, a range past the
     /// region's end, or a region not in this endpoint's pool;
     /// `OutOfMemory` ([`Error::ResourceLimit`]) at this connection's quota
-    /// of 64 grants or the device's memory windows; `ConnectionReset` /
-    /// `BrokenPipe` once the endpoint failed or closed.
+    /// of 64 grants or the device's memory windows; `Unsupported`
+    /// ([`Error::NoAtomics`]) for ATOMIC access on a device without RDMA
+    /// atomics; `ConnectionReset` / `BrokenPipe` once the endpoint failed
+    /// or closed.
     pub async fn grant(
         &self,
         region: &LocalRegion,
@@ -815,7 +817,9 @@ impl MessageEndpoint {
     /// among the NICs' operations, not against the owner's CPU writes.
     ///
     /// # Errors
-    /// As [`read`](Self::read), for ATOMIC access and an aligned word.
+    /// As [`read`](Self::read), for ATOMIC access and an aligned word;
+    /// `Unsupported` ([`Error::NoAtomics`]) on a device without RDMA
+    /// atomics, before anything is posted (the endpoint stays usable).
     pub async fn compare_swap(
         &self,
         remote: &RemoteRegion,

@@ -711,7 +711,10 @@ impl MessageQp {
         let need = match wr {
             RemoteWr::Read { len, .. } => len as usize,
             RemoteWr::Write { len, .. } => len as usize,
-            RemoteWr::CompareSwap { .. } | RemoteWr::FetchAdd { .. } => 8,
+            RemoteWr::CompareSwap { .. } | RemoteWr::FetchAdd { .. } => {
+                self.qp.device().check_atomics()?;
+                8
+            }
         };
         if need > local.capacity() {
             return Err(internal(format!(
@@ -891,6 +894,9 @@ impl MessageQp {
         len: u64,
         access: GrantAccess,
     ) -> Result<(u64, u32)> {
+        if access.atomic {
+            self.qp.device().check_atomics()?;
+        }
         if self.grant_windows.len() >= MAX_GRANTS {
             return Err(Error::ResourceLimit {
                 resource: crate::error::Resource::MemoryWindows,

@@ -25,7 +25,9 @@ use rdma_mummy_sys::{
 };
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
-use sideway::ibverbs::device_context::{AllocateProtectionDomainErrorKind, DeviceContext};
+use sideway::ibverbs::device_context::{
+    AllocateProtectionDomainErrorKind, AtomicCapability, DeviceContext,
+};
 use sideway::ibverbs::memory_region::{
     MemoryRegion, RegisterMemoryRegionError, RegisterMemoryRegionErrorKind,
 };
@@ -55,6 +57,9 @@ pub(crate) struct OpenDevice {
     pub(crate) max_cqe: u32,
     /// The device's object limits, for typed resource errors.
     pub(crate) limits: DeviceLimits,
+    /// Whether the device executes RDMA atomics (`atomic_cap` other than
+    /// `IBV_ATOMIC_NONE`; false if the attributes cannot be read).
+    pub(crate) atomics: bool,
     _counted_pd: Counted,
 }
 
@@ -62,6 +67,17 @@ impl OpenDevice {
     /// Whether the device has type-2 memory windows.
     pub(crate) fn has_memory_windows(&self) -> bool {
         self.max_mw > 0
+    }
+
+    /// `Err(Error::NoAtomics)` unless the device executes RDMA atomics.
+    pub(crate) fn check_atomics(&self) -> Result<()> {
+        if self.atomics {
+            Ok(())
+        } else {
+            Err(Error::NoAtomics {
+                device: self.name.clone(),
+            })
+        }
     }
 
     /// Allocates and registers `len` bytes with `access` on the device's
@@ -114,6 +130,9 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
             max_mw: limit(a.max_mw()),
         })
         .unwrap_or_default();
+    let atomics = attr
+        .as_ref()
+        .is_some_and(|a| a.atomic_capability() != AtomicCapability::None);
     let d = Arc::new(OpenDevice {
         name: name.to_string(),
         pd,
@@ -121,6 +140,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         max_mw,
         max_cqe,
         limits,
+        atomics,
         _counted_pd: Counted::new(Kind::ProtectionDomain),
     });
     map.insert(name.to_string(), Arc::clone(&d));
