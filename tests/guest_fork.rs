@@ -1,0 +1,213 @@
+//! Guest tests of a process that forks while it has registered memory and
+//! live connections on rxe0 (needs the Soft-RoCE guest:
+//! `integration/softroce run -- ...`). Fails, never skips, without a
+//! device.
+//!
+//! Since Linux 5.13 a fork copies, for the child, every anonymous page
+//! that is pinned for DMA (a registered MR) instead of sharing it
+//! copy-on-write, so the parent keeps the very pages the NIC maps whatever
+//! the child writes, and no `ibv_fork_init`/`RDMAV_FORK_SAFE` is needed
+//! (rdma-core then reports fork as safe without them). These tests hold
+//! the crate to that on Debian 12's kernel.
+//!
+//! Compiled only with `--cfg tokio_rdma_guest` (`scripts/test` sets it).
+#![cfg(tokio_rdma_guest)]
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rdma::remote::{GrantAccess, LocalRegion};
+use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, RdmaListener, RdmaStream};
+
+#[path = "../examples/shared/pattern.rs"]
+#[allow(dead_code)]
+mod shared;
+
+const IP: &str = "10.11.0.1";
+const MIB: usize = 1024 * 1024;
+
+async fn stream_pair() -> (RdmaStream, RdmaStream) {
+    let l = RdmaListener::bind(format!("{IP}:0")).await.expect("bind");
+    let addr = l.local_addr().unwrap();
+    let (c, s) = tokio::join!(RdmaStream::connect(addr), l.accept());
+    (c.expect("connect"), s.expect("accept").0)
+}
+
+async fn message_pair() -> (MessageEndpoint, MessageEndpoint) {
+    let cfg = MessageConfig::new();
+    let l = MessageListener::bind_with(format!("{IP}:0"), &cfg)
+        .await
+        .expect("bind");
+    let addr = l.local_addr().unwrap();
+    let (c, s) = tokio::join!(MessageEndpoint::connect_with(addr, &cfg), l.accept());
+    (c.expect("connect"), s.expect("accept").0)
+}
+
+/// Echoes `len` bytes of pattern `seed` through `client` (its peer echoes
+/// them back) in 64 KiB writes; returns the bytes that came back equal.
+async fn echo_pattern(client: &mut RdmaStream, seed: u64, len: usize) -> usize {
+    let data = shared::pattern_vec(seed, len);
+    let (mut r, mut w) = client.split();
+    let write = async {
+        for chunk in data.chunks(64 * 1024) {
+            w.write_all(chunk).await.expect("write");
+        }
+    };
+    let read = async {
+        let mut back = vec![0u8; len];
+        r.read_exact(&mut back).await.expect("read the echo");
+        back.iter().zip(&data).take_while(|(a, b)| a == b).count()
+    };
+    tokio::join!(write, read).1
+}
+
+/// The peer half of [`echo_pattern`]: echoes until EOF.
+fn spawn_echo(mut s: RdmaStream) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let (mut r, mut w) = s.split();
+        let n = tokio::io::copy(&mut r, &mut w).await.expect("echo");
+        w.shutdown().await.expect("shutdown");
+        n
+    })
+}
+
+/// Children started with `std::process::Command` and
+/// `tokio::process::Command` (fork and exec) while a stream echoes 16 MiB
+/// and a message endpoint moves 64 rendezvous messages of 64 KiB: every
+/// child exits 0, every byte comes back equal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn children_spawned_during_traffic_leave_connections_intact() {
+    let (mut client, server) = stream_pair().await;
+    let echo = spawn_echo(server);
+    let (a, b) = message_pair().await;
+    let children = tokio::spawn(async {
+        let mut ok = 0u32;
+        for i in 0..40 {
+            let status = if i % 2 == 0 {
+                tokio::task::spawn_blocking(|| std::process::Command::new("true").status())
+                    .await
+                    .expect("spawn_blocking")
+            } else {
+                tokio::process::Command::new("true").status().await
+            };
+            if status.expect("start a child").success() {
+                ok += 1;
+            }
+        }
+        ok
+    });
+    let messages = async {
+        for i in 0..64u64 {
+            let mut buf = a.pool().alloc_any(64 * 1024).await.expect("pool buffer");
+            bytes::BufMut::put_slice(&mut buf, &shared::pattern_vec(i, 64 * 1024));
+            a.send(buf).await.expect("send");
+            let got = b.recv().await.expect("recv").expect("a message");
+            assert_eq!(
+                &got[..],
+                &shared::pattern_vec(i, 64 * 1024)[..],
+                "message {i}"
+            );
+        }
+    };
+    let (equal, (), ok) = tokio::join!(echo_pattern(&mut client, 7, 16 * MIB), messages, children);
+    assert_eq!(
+        equal,
+        16 * MIB,
+        "echoed bytes equal before the first difference"
+    );
+    assert_eq!(ok.expect("children task"), 40);
+    client.shutdown().await.expect("shutdown");
+    let mut rest = Vec::new();
+    client.read_to_end(&mut rest).await.expect("EOF");
+    assert!(rest.is_empty());
+    assert_eq!(echo.await.expect("echo task"), (16 * MIB) as u64);
+}
+
+/// A bare `fork()` whose child overwrites a granted region's pages and
+/// other heap pages, then exits: the peer's one-sided READ of the region
+/// still returns the parent's bytes, a write by the parent after the fork
+/// is what the NIC reads next (the NIC maps the parent's pages, not
+/// copies that went to the child), and the stream keeps echoing exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forked_child_writing_registered_pages_leaves_the_parents_intact() {
+    let (mut client, server) = stream_pair().await;
+    let echo = spawn_echo(server);
+    assert_eq!(echo_pattern(&mut client, 1, MIB).await, MIB);
+
+    let (owner, user) = message_pair().await;
+    let region = LocalRegion::new(owner.pool().alloc_any(MIB).await.expect("pool buffer"));
+    region
+        .write_at(0, &shared::pattern_vec(2, region.len()))
+        .unwrap();
+    let grant = owner
+        .grant(&region, 0..MIB, GrantAccess::READ)
+        .await
+        .expect("grant");
+    let remote = grant.remote();
+    assert_eq!(
+        &user.read(&remote, 0, MIB).await.expect("READ")[..],
+        &shared::pattern_vec(2, MIB)[..]
+    );
+
+    let mut heap = vec![0u8; 4 * MIB];
+    let heap_ptr = heap.as_mut_ptr();
+    let region_ptr = region.addr() as *mut u8;
+    let region_len = region.len();
+    // SAFETY: the child only stores bytes through pointers to memory that
+    // was mapped and writable in the parent when it forked (its own copy
+    // of the heap block and of the region's pages), calls nothing that
+    // allocates or locks, and leaves with `_exit`, as a forked child of a
+    // multi-threaded process must.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        // SAFETY: see above; both ranges are within their allocations.
+        unsafe {
+            std::ptr::write_bytes(heap_ptr, 0xA5, 4 * MIB);
+            std::ptr::write_bytes(region_ptr, 0x5A, region_len);
+            libc::_exit(0);
+        }
+    }
+    let status = tokio::task::spawn_blocking(move || {
+        let mut status = 0;
+        // SAFETY: waits for our own child; `status` is a valid out-pointer.
+        let got = unsafe { libc::waitpid(pid, &mut status, 0) };
+        (got, status)
+    })
+    .await
+    .expect("waitpid task");
+    assert_eq!(status.0, pid);
+    assert!(libc::WIFEXITED(status.1) && libc::WEXITSTATUS(status.1) == 0);
+    assert!(
+        heap.iter().all(|&b| b == 0),
+        "the child's writes stayed in the child"
+    );
+    drop(heap);
+
+    assert_eq!(
+        &user.read(&remote, 0, MIB).await.expect("READ after fork")[..],
+        &shared::pattern_vec(2, MIB)[..],
+        "the NIC still reads the parent's bytes"
+    );
+    region
+        .write_at(0, &shared::pattern_vec(3, region.len()))
+        .unwrap();
+    assert_eq!(
+        &user
+            .read(&remote, 0, MIB)
+            .await
+            .expect("READ of the new bytes")[..],
+        &shared::pattern_vec(3, MIB)[..],
+        "a write by the parent after the fork reaches the pages the NIC maps"
+    );
+    assert_eq!(echo_pattern(&mut client, 4, 4 * MIB).await, 4 * MIB);
+
+    grant.revoke().await.expect("revoke");
+    client.shutdown().await.expect("shutdown");
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut rest))
+        .await
+        .expect("EOF in time")
+        .expect("EOF");
+    assert_eq!(echo.await.expect("echo task"), (5 * MIB) as u64);
+}
