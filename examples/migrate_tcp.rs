@@ -141,6 +141,8 @@ async fn call(addr: &TransportAddr, size: usize) -> Result<(), Box<dyn std::erro
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colours only on a terminal, not in a captured log.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match Args::parse().cmd {
         Cmd::Serve { addr } => {
