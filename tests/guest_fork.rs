@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rdma::remote::{GrantAccess, LocalRegion};
-use tokio_rdma::{MessageConfig, MessageEndpoint, MessageListener, RdmaListener, RdmaStream};
+use tokio_rdma::{MessageConfig, RdmaListener, RdmaStream};
+
+mod common;
 
 #[path = "../examples/shared/pattern.rs"]
 #[allow(dead_code)]
@@ -30,16 +32,6 @@ async fn stream_pair() -> (RdmaStream, RdmaStream) {
     let l = RdmaListener::bind(format!("{IP}:0")).await.expect("bind");
     let addr = l.local_addr().unwrap();
     let (c, s) = tokio::join!(RdmaStream::connect(addr), l.accept());
-    (c.expect("connect"), s.expect("accept").0)
-}
-
-async fn message_pair() -> (MessageEndpoint, MessageEndpoint) {
-    let cfg = MessageConfig::new();
-    let l = MessageListener::bind_with(format!("{IP}:0"), &cfg)
-        .await
-        .expect("bind");
-    let addr = l.local_addr().unwrap();
-    let (c, s) = tokio::join!(MessageEndpoint::connect_with(addr, &cfg), l.accept());
     (c.expect("connect"), s.expect("accept").0)
 }
 
@@ -61,16 +53,6 @@ async fn echo_pattern(client: &mut RdmaStream, seed: u64, len: usize) -> usize {
     tokio::join!(write, read).1
 }
 
-/// The peer half of [`echo_pattern`]: echoes until EOF.
-fn spawn_echo(mut s: RdmaStream) -> tokio::task::JoinHandle<u64> {
-    tokio::spawn(async move {
-        let (mut r, mut w) = s.split();
-        let n = tokio::io::copy(&mut r, &mut w).await.expect("echo");
-        w.shutdown().await.expect("shutdown");
-        n
-    })
-}
-
 /// Children started with `std::process::Command` and
 /// `tokio::process::Command` (fork and exec) while a stream echoes 16 MiB
 /// and a message endpoint moves 64 rendezvous messages of 64 KiB: every
@@ -78,8 +60,8 @@ fn spawn_echo(mut s: RdmaStream) -> tokio::task::JoinHandle<u64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn children_spawned_during_traffic_leave_connections_intact() {
     let (mut client, server) = stream_pair().await;
-    let echo = spawn_echo(server);
-    let (a, b) = message_pair().await;
+    let echo = tokio::spawn(common::echo(server));
+    let (a, b) = common::message_pair(IP, &MessageConfig::new()).await;
     let children = tokio::spawn(async {
         let mut ok = 0u32;
         for i in 0..40 {
@@ -120,7 +102,10 @@ async fn children_spawned_during_traffic_leave_connections_intact() {
     let mut rest = Vec::new();
     client.read_to_end(&mut rest).await.expect("EOF");
     assert!(rest.is_empty());
-    assert_eq!(echo.await.expect("echo task"), (16 * MIB) as u64);
+    assert_eq!(
+        echo.await.expect("echo task").expect("echo"),
+        (16 * MIB) as u64
+    );
 }
 
 /// A bare `fork()` whose child overwrites a granted region's pages and
@@ -131,10 +116,10 @@ async fn children_spawned_during_traffic_leave_connections_intact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forked_child_writing_registered_pages_leaves_the_parents_intact() {
     let (mut client, server) = stream_pair().await;
-    let echo = spawn_echo(server);
+    let echo = tokio::spawn(common::echo(server));
     assert_eq!(echo_pattern(&mut client, 1, MIB).await, MIB);
 
-    let (owner, user) = message_pair().await;
+    let (owner, user) = common::message_pair(IP, &MessageConfig::new()).await;
     let region = LocalRegion::new(owner.pool().alloc_any(MIB).await.expect("pool buffer"));
     region
         .write_at(0, &shared::pattern_vec(2, region.len()))
@@ -209,5 +194,8 @@ async fn a_forked_child_writing_registered_pages_leaves_the_parents_intact() {
         .await
         .expect("EOF in time")
         .expect("EOF");
-    assert_eq!(echo.await.expect("echo task"), (5 * MIB) as u64);
+    assert_eq!(
+        echo.await.expect("echo task").expect("echo"),
+        (5 * MIB) as u64
+    );
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_rdma::remote::{GrantAccess, LocalRegion, RemoteRegion};
-use tokio_rdma::{Error, MessageConfig, MessageEndpoint, MessageListener};
+use tokio_rdma::{Error, MessageConfig, MessageEndpoint};
 
 mod common;
 
@@ -23,13 +23,7 @@ const IP: &str = "10.11.0.1";
 const MIB: usize = 1024 * 1024;
 
 async fn pair() -> (MessageEndpoint, MessageEndpoint) {
-    let cfg = MessageConfig::new();
-    let listener = MessageListener::bind_with(format!("{IP}:0"), &cfg)
-        .await
-        .expect("bind on rxe0's address");
-    let addr = listener.local_addr().unwrap();
-    let (c, s) = tokio::join!(MessageEndpoint::connect_with(addr, &cfg), listener.accept());
-    (c.expect("connect"), s.expect("accept").0)
+    common::message_pair(IP, &MessageConfig::new()).await
 }
 
 /// A region of `len` bytes of `ep`'s pool filled with pattern `seed`.

@@ -137,3 +137,20 @@ impl Phases {
         self.last = now;
     }
 }
+
+/// A connected pair of message endpoints in this process, on a listener
+/// bound to `ip` port 0 with `cfg` at both ends: (client, server).
+pub async fn message_pair(
+    ip: &str,
+    cfg: &tokio_rdma::MessageConfig,
+) -> (tokio_rdma::MessageEndpoint, tokio_rdma::MessageEndpoint) {
+    let listener = tokio_rdma::MessageListener::bind_with(format!("{ip}:0"), cfg)
+        .await
+        .expect("bind on the RDMA device's address");
+    let addr = listener.local_addr().unwrap();
+    let (c, s) = tokio::join!(
+        tokio_rdma::MessageEndpoint::connect_with(addr, cfg),
+        listener.accept()
+    );
+    (c.expect("connect"), s.expect("accept").0)
+}
