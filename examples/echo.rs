@@ -27,6 +27,10 @@ use echo_loop::echo as serve;
 #[derive(Parser)]
 #[command(about = "Echo server and client over RDMA streams")]
 struct Args {
+    /// Log the connection's setup and errors (tracing, debug level) to
+    /// stderr.
+    #[arg(long, global = true)]
+    verbose: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -108,7 +112,14 @@ async fn client(addr: SocketAddr, c: usize, bytes: u64) -> Result<String, String
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    match Args::parse().cmd {
+    let args = Args::parse();
+    if args.verbose {
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    match args.cmd {
         Cmd::Server { addr } => {
             let l = match RdmaListener::bind(addr).await {
                 Ok(l) => l,

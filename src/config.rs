@@ -314,6 +314,7 @@ impl RdmaConfig {
             // missing: only this QP may use it.
             own_pd_without_windows: true,
             share_cq: self.share_completion_queue,
+            imm_in_send_without_immediate: true,
         }
     }
 

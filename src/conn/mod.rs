@@ -17,6 +17,6 @@ pub(crate) mod shared;
 pub(crate) mod spin;
 
 pub(crate) use listener::Listener;
-pub(crate) use setup::{Established, Setup, connect_any};
+pub(crate) use setup::{Established, Setup, connect_any, device_caps};
 pub(crate) use shared::{Driven, Handle, Started, WakerList, start};
 pub(crate) use spin::SpinWait;

@@ -11,7 +11,9 @@ use tracing::{debug, warn};
 
 use crate::config::RdmaConfig;
 use crate::error::{ConnectStage, Error, Result};
-use crate::proto::handshake::{EndpointKind, Hello, RejectReason, decode_reject, encode_reject};
+use crate::proto::handshake::{
+    Capabilities, EndpointKind, Hello, RejectReason, decode_reject, encode_reject,
+};
 use crate::verbs::cm::{CmEvent, CmEventKind, CmId};
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
 
@@ -83,6 +85,15 @@ pub(crate) fn new_qp(
     let dev = crate::verbs::rc::open_device(&name)?;
     let qp = RcQueuePair::new(Arc::clone(&dev), sizes)?;
     Ok((dev, qp, name))
+}
+
+/// What `device` offers, as a [`Hello`] announces it.
+pub(crate) fn device_caps(device: &OpenDevice) -> Capabilities {
+    Capabilities {
+        immediate_data: device.immediate_data,
+        memory_windows: device.has_memory_windows(),
+        atomics: device.atomics,
+    }
 }
 
 /// Tries `attempt` on each address `addr` resolves to, in order, like
@@ -289,7 +300,11 @@ fn event_error(kind: CmEventKind, status: i32, private_data: &[u8], addr: Socket
             source: std::io::Error::from_raw_os_error(status.saturating_neg()),
         },
         CmEventKind::Rejected => match decode_reject(private_data) {
-            Some((server_version, reason)) if status == IB_CM_REJ_CONSUMER_DEFINED => {
+            // The IB CM's consumer-defined reject, or iWARP's (an MPA
+            // reject: -ECONNREFUSED), with our reject message.
+            Some((server_version, reason))
+                if status == IB_CM_REJ_CONSUMER_DEFINED || status == -libc::ECONNREFUSED =>
+            {
                 Error::HandshakeRejected {
                     addr,
                     reason,
@@ -355,10 +370,29 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     let hello = setup.on_init(&mut qp)?;
     id.connect(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
     stage.set(ConnectStage::AwaitingReply);
-    let ev = expect(&mut id, addr, CmEventKind::ConnectResponse).await?;
+    // InfiniBand and RoCE answer with CONNECT_RESPONSE, after which this
+    // side moves the QP to RTS and sends the RTU (rdma_establish). iWARP's
+    // CM moves the QP to RTS itself as the MPA exchange completes and
+    // reports ESTABLISHED with the reply's private data (kernel cma,
+    // cma_iw_handler): nothing is left to modify or confirm.
+    let ev = id.next_event().await.map_err(|source| Error::Verbs {
+        op: "rdma_get_cm_event",
+        source,
+    })?;
+    let cm_moved_qp = match ev.kind {
+        CmEventKind::ConnectResponse => false,
+        CmEventKind::Established => true,
+        kind => {
+            debug!(?kind, status = ev.status, "connect failed");
+            return Err(event_error(kind, ev.status, &ev.private_data, addr));
+        }
+    };
     stage.set_replied();
     stage.set(ConnectStage::LocalSetup);
-    let peer = match Hello::decode(&ev.private_data).and_then(|h| h.expect_kind(S::KIND)) {
+    let peer = match Hello::decode(&ev.private_data)
+        .and_then(|h| h.expect_kind(S::KIND))
+        .and_then(|h| h.expect_compatible(&hello))
+    {
         Ok(h) => h,
         Err(e) => {
             // The server is not a tokio-rdma listener of our kind that we
@@ -371,12 +405,16 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     // Before the reply, rdma_cm's INIT attributes carry no remote access
     // rights; re-apply INIT with the attributes of the now-known connection
     // (what librdmacm's own ucma_modify_qp_rtr does), then RTR and RTS.
-    let rc = qp.as_mut();
-    rc.modify_to_init(&id)?;
-    rc.modify_to_rtr(&id)?;
-    rc.modify_to_rts(&id, cfg.ack_timeout, cfg.retry_count)?;
+    if !cm_moved_qp {
+        let rc = qp.as_mut();
+        rc.modify_to_init(&id)?;
+        rc.modify_to_rtr(&id)?;
+        rc.modify_to_rts(&id, cfg.ack_timeout, cfg.retry_count)?;
+    }
     setup.on_rts(&mut qp).await?;
-    id.establish()?;
+    if !cm_moved_qp {
+        id.establish()?;
+    }
     setup.finish(Established {
         id,
         qp,
@@ -440,6 +478,11 @@ pub(crate) async fn accept_one<S: Setup>(
     };
     qp.as_mut().modify_to_init(&id)?;
     let hello = setup.on_init(&mut qp)?;
+    if let Err(e) = peer.expect_compatible(&hello) {
+        warn!(error = %e, "rejecting connection request");
+        id.reject(&encode_reject(e.reject_reason()))?;
+        return Ok(None);
+    }
     qp.as_mut().modify_to_rtr(&id)?;
     qp.as_mut()
         .modify_to_rts(&id, cfg.ack_timeout, cfg.retry_count)?;

@@ -67,7 +67,7 @@ use futures::{Sink, Stream};
 use tokio::net::ToSocketAddrs;
 
 use crate::config::RdmaConfig;
-use crate::conn::{Established, Handle, Listener, Setup};
+use crate::conn::{Established, Handle, Listener, Setup, device_caps};
 use crate::error::{Error, Result};
 use crate::pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolConfig};
 use crate::proto::handshake::{EndpointKind, Hello};
@@ -376,6 +376,7 @@ impl Setup for MessageSetup {
             max_inline: r.inline_threshold,
             own_pd_without_windows: false,
             share_cq: r.share_completion_queue,
+            imm_in_send_without_immediate: false,
         }
     }
 
@@ -447,6 +448,7 @@ impl Setup for MessageSetup {
             recv_depth: self.0.rdma.recv_queue_depth,
             max_message_len: self.0.max_message_len,
             max_rendezvous_in_flight: self.0.max_rendezvous_in_flight,
+            caps: device_caps(qp.qp.qp_ref().device()),
         })
     }
 

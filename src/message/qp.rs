@@ -738,7 +738,7 @@ impl MessageQp {
             ),
             RemoteWr::Write { addr, rkey, .. } => (
                 SendOp::Write {
-                    local: sge,
+                    payload: SendPayload::Sge(sge),
                     remote_addr: addr,
                     rkey,
                 },

@@ -72,6 +72,16 @@ pub enum ProtocolError {
         /// Length of the DATA message in bytes.
         len: u32,
     },
+    /// A SEND arrived where a stream takes only RDMA WRITE WITH IMM (or,
+    /// on a device without immediate data, a SEND of exactly the 4-byte
+    /// immediate).
+    #[error(
+        "peer sent a SEND of {len} bytes; a stream takes RDMA WRITE WITH IMM, or a 4-byte SEND of the immediate without immediate data"
+    )]
+    UnexpectedSend {
+        /// Bytes the SEND carried.
+        len: u32,
+    },
     /// A second FIN arrived.
     #[error("peer sent a second FIN")]
     DuplicateFin,
@@ -118,7 +128,7 @@ impl ProtocolError {
     /// abort the connection: `BadImm` 1, `RingWrap` 2, `RingOverrun` 3,
     /// `WrOverrun` 4, `CreditOverflow` 5, `DataAfterFin` 6, `DuplicateFin` 7,
     /// `MessageAfterAbort` 8, `UnknownWrId` 9, `InvalidParams` 10,
-    /// `RingGrowth` 11. Code 0 is
+    /// `RingGrowth` 11, `UnexpectedSend` 12. Code 0 is
     /// left for aborts requested by the application
     /// (`ABORT_CODE_APPLICATION`).
     pub fn abort_code(&self) -> u32 {
@@ -134,6 +144,7 @@ impl ProtocolError {
             ProtocolError::UnknownWrId { .. } => 9,
             ProtocolError::InvalidParams { .. } => 10,
             ProtocolError::RingGrowth { .. } => 11,
+            ProtocolError::UnexpectedSend { .. } => 12,
         }
     }
 }

@@ -15,13 +15,21 @@
 //! | 0      | 4    | magic        | [`MAGIC`] = `0x544B_5244` (`"TKRD"`)               |
 //! | 4      | 2    | version      | [`VERSION`] = 8                                    |
 //! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
-//! | 7      | 1    | flags        | 0 (ignored on receipt)                             |
+//! | 7      | 1    | flags        | the sender's missing [`Capabilities`]: bit 0 no immediate data, bit 1 no memory windows, bit 2 no atomics; bits 3..7 0 (ignored on receipt) |
 //! | 8      | 8    | ring_addr    | byte stream: virtual address of the sender's receive ring; message endpoint: `max_message_len`, bytes, `1..=2^48` |
 //! | 16     | 4    | ring_rkey    | byte stream: the key of the ring's memory window (bound on the sender's QP only); message endpoint: 0 |
 //! | 20     | 4    | ring_len     | ring length in bytes, `1..=`[`MAX_RING_LEN`] (message endpoint: its receive buffers' length) |
 //! | 24     | 2    | recv_depth   | receive WRs kept posted, [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`] |
 //! | 26     | 2    | max_rendezvous_in_flight | message endpoint: rendezvous the sender accepts outstanding, at least 1; byte stream: 0 (ignored) |
 //! | 28     | 4    | reserved     | 0 (ignored on receipt)                             |
+//!
+//! Capabilities are announced as what the sender's device lacks, so 0 is
+//! a full InfiniBand/RoCE device. Both sides must agree on immediate data
+//! (a stream's every message carries a 32-bit immediate, as RDMA WRITE WITH
+//! IMM or, without immediate data, in a 4-byte SEND: the two cannot be
+//! mixed; on real links they never differ, since iWARP talks only to
+//! iWARP): [`Hello::expect_compatible`] refuses a mismatch. Windows and
+//! atomics are the sender's own business and its peer's information.
 //!
 //! Limits that bind both sides are agreed here: a message endpoint uses the
 //! smaller of the two `max_message_len` and `max_rendezvous_in_flight`
@@ -58,8 +66,74 @@ pub const MAGIC: u32 = 0x544B_5244;
 /// immediate's low bits, [`MsgImm::Eager`](crate::proto::message::MsgImm::Eager));
 /// version 8 posts a message endpoint's CREDIT without the solicited-event
 /// bit (a peer that waits for credit arms its CQ for every completion:
-/// [`MessageCore::credit_low`](crate::proto::message::MessageCore::credit_low)).
-pub const VERSION: u16 = 8;
+/// [`MessageCore::credit_low`](crate::proto::message::MessageCore::credit_low));
+/// version 9 announces the sender's missing [`Capabilities`] in the flags
+/// byte (iWARP: no immediate data, no windows, no atomics).
+pub const VERSION: u16 = 9;
+
+/// What the sender's device offers, announced in a [`Hello`]'s flags byte
+/// as what it lacks (bit 0 no immediate data, bit 1 no memory windows,
+/// bit 2 no atomics), so [`Capabilities::FULL`] encodes as 0.
+///
+/// InfiniBand and RoCE devices have immediate data; iWARP (RFC 5040) has
+/// none, and Soft-iWARP (`siw`) has neither memory windows nor atomics
+/// (`ibv_devinfo -v`: `max_mw` 0, `ATOMIC_NONE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Capabilities {
+    /// RDMA WRITE WITH IMM and SEND WITH IMM. Both sides must agree
+    /// ([`Hello::expect_compatible`]).
+    pub immediate_data: bool,
+    /// Type-2 memory windows (`max_mw > 0`).
+    pub memory_windows: bool,
+    /// RDMA atomics (compare-and-swap, fetch-and-add) executed on the
+    /// sender's memory.
+    pub atomics: bool,
+}
+
+impl Capabilities {
+    /// Everything an InfiniBand or RoCE device offers: flags byte 0.
+    pub const FULL: Capabilities = Capabilities {
+        immediate_data: true,
+        memory_windows: true,
+        atomics: true,
+    };
+
+    const NO_IMMEDIATE: u8 = 1 << 0;
+    const NO_WINDOWS: u8 = 1 << 1;
+    const NO_ATOMICS: u8 = 1 << 2;
+
+    /// The flags byte of a [`Hello`]: one bit per missing capability.
+    pub fn to_flags(self) -> u8 {
+        let mut f = 0;
+        if !self.immediate_data {
+            f |= Self::NO_IMMEDIATE;
+        }
+        if !self.memory_windows {
+            f |= Self::NO_WINDOWS;
+        }
+        if !self.atomics {
+            f |= Self::NO_ATOMICS;
+        }
+        f
+    }
+
+    /// Reads a flags byte; bits 3..7 are ignored (reserved for later
+    /// capabilities, which an older peer then reports as present).
+    pub fn from_flags(flags: u8) -> Capabilities {
+        Capabilities {
+            immediate_data: flags & Self::NO_IMMEDIATE == 0,
+            memory_windows: flags & Self::NO_WINDOWS == 0,
+            atomics: flags & Self::NO_ATOMICS == 0,
+        }
+    }
+}
+
+impl Default for Capabilities {
+    /// [`Capabilities::FULL`].
+    fn default() -> Self {
+        Capabilities::FULL
+    }
+}
 
 /// Length in bytes of an encoded [`Hello`].
 pub const HELLO_LEN: usize = 32;
@@ -148,6 +222,8 @@ pub struct Hello {
     /// Message endpoint: the rendezvous it accepts outstanding (0 for a
     /// byte stream).
     pub max_rendezvous_in_flight: u16,
+    /// What the sender's device offers (the flags byte).
+    pub caps: Capabilities,
 }
 
 impl Hello {
@@ -160,7 +236,7 @@ impl Hello {
         out[0..4].copy_from_slice(&MAGIC.to_be_bytes());
         out[4..6].copy_from_slice(&VERSION.to_be_bytes());
         out[6] = self.kind.to_u8();
-        out[7] = 0; // flags
+        out[7] = self.caps.to_flags();
         let addr_or_len = match self.kind {
             EndpointKind::ByteStream => self.ring_addr,
             EndpointKind::Message => self.max_message_len,
@@ -179,8 +255,8 @@ impl Hello {
     /// Decodes and validates a `Hello` from rdma_cm private data.
     ///
     /// `bytes` must hold at least [`HELLO_LEN`] bytes; anything after them
-    /// (rdma_cm's zero padding) is ignored, as are the flags and reserved
-    /// fields.
+    /// (rdma_cm's zero padding) is ignored, as are the reserved field and
+    /// the flags' reserved bits.
     ///
     /// # Errors
     ///
@@ -261,7 +337,25 @@ impl Hello {
             recv_depth,
             max_message_len,
             max_rendezvous_in_flight,
+            caps: Capabilities::from_flags(b[7]),
         })
+    }
+
+    /// Returns `self` (the peer's) if a connection between it and `ours`
+    /// can carry the protocol: both with immediate data, or both without.
+    ///
+    /// # Errors
+    ///
+    /// [`HandshakeError::ImmediateDataMismatch`] otherwise.
+    pub fn expect_compatible(self, ours: &Hello) -> Result<Hello, HandshakeError> {
+        if self.caps.immediate_data == ours.caps.immediate_data {
+            Ok(self)
+        } else {
+            Err(HandshakeError::ImmediateDataMismatch {
+                ours: ours.caps.immediate_data,
+                peer: self.caps.immediate_data,
+            })
+        }
     }
 
     /// Returns `self` if its kind is `expected`.
@@ -332,6 +426,20 @@ pub enum HandshakeError {
         /// Which limit was violated.
         reason: &'static str,
     },
+    /// One side's device carries immediate data and the other's does not
+    /// (an iWARP device met an InfiniBand/RoCE one, which real links never
+    /// join): the stream's messages cannot be exchanged.
+    #[error(
+        "this side's device {} immediate data and the peer's {}: no common transport",
+        if *ours { "has" } else { "lacks" },
+        if *peer { "has" } else { "lacks" }
+    )]
+    ImmediateDataMismatch {
+        /// Whether this side's device has immediate data.
+        ours: bool,
+        /// Whether the peer's device has it.
+        peer: bool,
+    },
 }
 
 impl HandshakeError {
@@ -339,7 +447,8 @@ impl HandshakeError {
     /// `Truncated` and `InvalidRing` → [`RejectReason::Malformed`],
     /// `BadMagic` → [`RejectReason::BadMagic`], `UnsupportedVersion` →
     /// [`RejectReason::UnsupportedVersion`], `UnknownKind` and `WrongKind` →
-    /// [`RejectReason::WrongKind`].
+    /// [`RejectReason::WrongKind`], `ImmediateDataMismatch` →
+    /// [`RejectReason::Incompatible`].
     pub fn reject_reason(&self) -> RejectReason {
         match self {
             HandshakeError::Truncated { .. } | HandshakeError::InvalidRing { .. } => {
@@ -350,6 +459,7 @@ impl HandshakeError {
             HandshakeError::UnknownKind { .. } | HandshakeError::WrongKind { .. } => {
                 RejectReason::WrongKind
             }
+            HandshakeError::ImmediateDataMismatch { .. } => RejectReason::Incompatible,
         }
     }
 }
@@ -377,12 +487,15 @@ pub enum RejectReason {
     /// The server could not allocate the connection's resources: ring,
     /// queue pair, memory registration (wire code 5).
     ServerResources,
+    /// The two devices' capabilities cannot carry the protocol together:
+    /// one has immediate data and the other not (wire code 6).
+    Incompatible,
     /// A code this version does not know, from a newer peer.
     Unknown(u8),
 }
 
 impl RejectReason {
-    /// The wire code (1..=5, or the unknown code itself).
+    /// The wire code (1..=6, or the unknown code itself).
     pub fn code(self) -> u8 {
         match self {
             RejectReason::BadMagic => 1,
@@ -390,11 +503,12 @@ impl RejectReason {
             RejectReason::Malformed => 3,
             RejectReason::WrongKind => 4,
             RejectReason::ServerResources => 5,
+            RejectReason::Incompatible => 6,
             RejectReason::Unknown(code) => code,
         }
     }
 
-    /// Parses a wire code; codes other than 1..=5 become
+    /// Parses a wire code; codes other than 1..=6 become
     /// [`RejectReason::Unknown`].
     pub fn from_code(code: u8) -> RejectReason {
         match code {
@@ -403,6 +517,7 @@ impl RejectReason {
             3 => RejectReason::Malformed,
             4 => RejectReason::WrongKind,
             5 => RejectReason::ServerResources,
+            6 => RejectReason::Incompatible,
             other => RejectReason::Unknown(other),
         }
     }
@@ -416,6 +531,9 @@ impl fmt::Display for RejectReason {
             RejectReason::Malformed => f.write_str("malformed or truncated handshake"),
             RejectReason::WrongKind => f.write_str("wrong endpoint kind"),
             RejectReason::ServerResources => f.write_str("server out of resources"),
+            RejectReason::Incompatible => {
+                f.write_str("incompatible devices (immediate data on one side only)")
+            }
             RejectReason::Unknown(code) => write!(f, "unknown reason code {code}"),
         }
     }
@@ -460,6 +578,7 @@ mod tests {
             recv_depth: 64,
             max_message_len: 0,
             max_rendezvous_in_flight: 0,
+            caps: Capabilities::FULL,
         }
     }
 
@@ -472,6 +591,7 @@ mod tests {
             recv_depth: 128,
             max_message_len: 128 << 20,
             max_rendezvous_in_flight: 8,
+            caps: Capabilities::FULL,
         }
     }
 
@@ -482,7 +602,7 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x08, // version
+                0x00, 0x09, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
@@ -538,10 +658,10 @@ mod tests {
     }
 
     #[test]
-    fn hello_ignores_padding_flags_and_reserved() {
+    fn hello_ignores_padding_reserved_flags_and_reserved() {
         let mut padded = [0u8; 56];
         padded[..HELLO_LEN].copy_from_slice(&sample().encode());
-        padded[7] = 0xFF; // flags
+        padded[7] = 0xF8; // the flags' reserved bits
         padded[26..32].copy_from_slice(&[9, 9, 9, 9, 9, 9]); // reserved
         padded[40] = 0xAB; // trailing garbage after the hello
         assert_eq!(Hello::decode(&padded), Ok(sample()));
@@ -573,13 +693,13 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        for found in [0u16, 1, 2, 3, 4, 5, 6, 7, 9] {
+        for found in [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 10] {
             bytes[4..6].copy_from_slice(&found.to_be_bytes());
             assert_eq!(
                 Hello::decode(&bytes),
                 Err(HandshakeError::UnsupportedVersion {
                     found,
-                    supported: 8
+                    supported: 9
                 })
             );
         }
@@ -674,7 +794,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x08, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x09, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);
@@ -685,7 +805,8 @@ mod tests {
             );
         }
         assert_eq!(RejectReason::from_code(5), RejectReason::ServerResources);
-        assert_eq!(RejectReason::from_code(6), RejectReason::Unknown(6));
+        assert_eq!(RejectReason::from_code(6), RejectReason::Incompatible);
+        assert_eq!(RejectReason::from_code(7), RejectReason::Unknown(7));
         // A newer server's version is reported as-is.
         let mut newer = encode_reject(RejectReason::UnsupportedVersion).to_vec();
         newer[4..6].copy_from_slice(&3u16.to_be_bytes());
@@ -705,5 +826,65 @@ mod tests {
         );
         assert_eq!(decode_reject(&[0u8; 56]), None);
         assert_eq!(decode_reject(b"HTTP/1.1 400"), None);
+    }
+
+    #[test]
+    fn capabilities_ride_in_the_flags_byte() {
+        // An iWARP device like siw: no immediate data, windows or atomics.
+        let siw = Capabilities {
+            immediate_data: false,
+            memory_windows: false,
+            atomics: false,
+        };
+        assert_eq!(Capabilities::FULL.to_flags(), 0);
+        assert_eq!(siw.to_flags(), 0b111);
+        let mut h = sample();
+        h.caps = siw;
+        let bytes = h.encode();
+        assert_eq!(bytes[7], 0b111);
+        assert_eq!(Hello::decode(&bytes), Ok(h));
+        for flags in 0u8..=0xFF {
+            let caps = Capabilities::from_flags(flags);
+            // Bits 3..7 are reserved and ignored.
+            assert_eq!(caps.to_flags(), flags & 0b111, "flags {flags:#010b}");
+        }
+        assert_eq!(
+            Capabilities::from_flags(0b010),
+            Capabilities {
+                immediate_data: true,
+                memory_windows: false,
+                atomics: true,
+            }
+        );
+        assert_eq!(Capabilities::default(), Capabilities::FULL);
+    }
+
+    #[test]
+    fn immediate_data_must_match() {
+        let ours = sample();
+        let mut peer = sample();
+        peer.caps.memory_windows = false;
+        peer.caps.atomics = false;
+        // Windows and atomics may differ.
+        assert_eq!(peer.expect_compatible(&ours), Ok(peer));
+        peer.caps.immediate_data = false;
+        let err = peer.expect_compatible(&ours).unwrap_err();
+        assert_eq!(
+            err,
+            HandshakeError::ImmediateDataMismatch {
+                ours: true,
+                peer: false
+            }
+        );
+        assert_eq!(err.reject_reason(), RejectReason::Incompatible);
+        assert_eq!(err.reject_reason().code(), 6);
+        assert_eq!(
+            err.to_string(),
+            "this side's device has immediate data and the peer's lacks: no common transport"
+        );
+        // Both without: an iWARP pair.
+        let mut ours_iwarp = ours;
+        ours_iwarp.caps.immediate_data = false;
+        assert_eq!(peer.expect_compatible(&ours_iwarp), Ok(peer));
     }
 }

@@ -24,7 +24,7 @@ use bytes::Bytes;
 use tracing::{debug, warn};
 
 use crate::config::RdmaConfig;
-use crate::conn::{Driven, Established, Handle, SpinWait, Started, WakerList};
+use crate::conn::{Driven, Established, Handle, SpinWait, Started, WakerList, device_caps};
 use crate::error::{Error, Result};
 use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::stream::{RecvEvent, StreamCore, Transmit, TransmitKind};
@@ -296,6 +296,10 @@ impl StreamState {
                     Err(e) => self.protocol_error(e),
                 }
                 1
+            }
+            (Work::Recv(_), WcKind::Recv) => {
+                self.protocol_error(ProtocolError::UnexpectedSend { len: wc.byte_len });
+                0
             }
             _ => 0,
         }
@@ -814,6 +818,7 @@ pub(crate) fn local_hello(qp: &StreamQp, cfg: &RdmaConfig) -> Hello {
         recv_depth: cfg.recv_queue_depth,
         max_message_len: 0,
         max_rendezvous_in_flight: 0,
+        caps: device_caps(qp.rc().device()),
     }
 }
 
@@ -826,6 +831,12 @@ pub(crate) fn start(est: Established<StreamQp>, cfg: &RdmaConfig) -> Result<Hand
             "device has no memory windows: the receive ring is opened to the peer on a protection domain of its own"
         ),
         _ => debug!("receive ring opened to the peer through a memory window bound on this QP"),
+    }
+    if !est.qp.immediate_data() {
+        tracing::info!(
+            device = %est.device,
+            "device has no immediate data (iWARP): each message's immediate follows its RDMA WRITE in a 4-byte SEND"
+        );
     }
     let core =
         StreamCore::new(cfg.stream_params(est.peer.ring_len, est.peer.recv_depth, max_inline))?;

@@ -17,6 +17,23 @@
 //! with its `SAFETY:` comment). Drop order: the windows (in `Drop`), then
 //! the QP is destroyed, then the ledger, the send buffer and the rings are
 //! deregistered (field order).
+//!
+//! # Without immediate data (iWARP)
+//!
+//! iWARP (RFC 5040) has no RDMA WRITE WITH IMM. On such a device every
+//! message of the stream is posted as an RDMA WRITE of its payload (none
+//! for a control message), unsignaled, followed by a SEND of the 4-byte
+//! immediate (big-endian, inline) with the message's wr_id, signaling and
+//! solicited bit: one WR pair per message, the same deadlock argument and
+//! the same receive-WR accounting, since the SEND consumes the one receive
+//! WR the WRITE WITH IMM would have. RDMAP's ordering (RFC 5040, 5.5)
+//! places the WRITE's bytes before the SEND completes at the receiver.
+//! Receive WRs then name a 4-byte slot each of a small registered buffer
+//! ([`ImmSlots`]); [`StreamQp::poll`] turns a slot's SEND back into the
+//! completion an RDMA WRITE WITH IMM would have given, so nothing above
+//! this adapter tells the transports apart. rsocket's iWARP mode moves its
+//! data the same way. The peer learns the mode in the handshake
+//! (`Capabilities::immediate_data`), which refuses a mismatch.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -29,7 +46,7 @@ use crate::verbs::ledger::{Ledger, PostedOp};
 use crate::verbs::mw::{MemoryWindow, WindowAccess};
 use crate::verbs::rc::{
     BindTarget, Completion, MrAccess, OpenDevice, RcQueuePair, RegisteredBuffer, SendOp,
-    SendPayload, SendWr, Sge, WcStatus, Work,
+    SendPayload, SendWr, Sge, WcKind, WcStatus, Work,
 };
 
 /// Bytes of idle stream send buffers each device keeps registered for
@@ -120,6 +137,62 @@ struct GrownRing {
     buf: RegisteredBuffer,
 }
 
+/// The unsignaled RDMA WRITE half of a message posted without immediate
+/// data carries its SEND's core wr_id with this bit, in the adapter's
+/// window space: it completes only with an error, which
+/// [`StreamQp::poll`] reports as the message's (`Work::Core`).
+const WRITE_HALF: u64 = 1 << 59;
+
+/// Bytes of one immediate carried in a SEND (a big-endian `u32`).
+const IMM_LEN: usize = 4;
+
+/// The receive buffer of a stream without immediate data: one 4-byte slot
+/// per receive WR (its wr_id is `Work::Recv(slot)`), registered with local
+/// write only on the QP's PD. A slot is posted again only after its
+/// receive completed or was flushed (`free`), so the value read at its
+/// completion is the one the peer's SEND wrote.
+struct ImmSlots {
+    buf: RegisteredBuffer,
+    free: Vec<u32>,
+    /// Whether each slot is named by a posted receive WR.
+    posted: Vec<bool>,
+}
+
+impl ImmSlots {
+    fn new(qp: &RcQueuePair, slots: u32) -> Result<Self> {
+        let buf = qp.register_buffer(slots as usize * IMM_LEN, MrAccess::LocalWrite)?;
+        Ok(ImmSlots {
+            buf,
+            // Popped from the end: slot 0 first.
+            free: (0..slots).rev().collect(),
+            posted: vec![false; slots as usize],
+        })
+    }
+
+    /// A free slot, marked posted.
+    fn take(&mut self) -> Option<u32> {
+        let slot = self.free.pop()?;
+        self.posted[slot as usize] = true;
+        Some(slot)
+    }
+
+    /// The slot `wr_id` names back to the free list; the immediate it
+    /// holds, when the receive succeeded with exactly 4 bytes.
+    fn complete(&mut self, slot: u64, ok: bool, byte_len: u32) -> Option<u32> {
+        let slot = usize::try_from(slot).ok()?;
+        if !std::mem::replace(self.posted.get_mut(slot)?, false) {
+            return None;
+        }
+        self.free.push(slot as u32);
+        if !ok || byte_len as usize != IMM_LEN {
+            return None;
+        }
+        let mut imm = [0u8; IMM_LEN];
+        self.buf.read_at(slot * IMM_LEN, &mut imm).ok()?;
+        Some(u32::from_be_bytes(imm))
+    }
+}
+
 /// One RDMA WRITE WITH IMM for [`StreamQp::post_write`]: `len` bytes of the
 /// send buffer at `local_offset` (none for `len == 0`, a control message),
 /// to `remote_addr` with `rkey`.
@@ -144,6 +217,9 @@ pub(crate) struct StreamQp {
     // deregistered.
     ring_window: Option<MemoryWindow>,
     qp: RcQueuePair,
+    /// `Some` on a device without immediate data: the receive WRs' slots
+    /// (see the module docs). Dropped after the QP.
+    imm_slots: Option<ImmSlots>,
     /// Posted send-queue WRs not known complete, and the send buffers
     /// given up while one of them still names it (by buffer id).
     ledger: Ledger<u32, RegisteredBuffer>,
@@ -210,9 +286,15 @@ impl StreamQp {
             RingIsolation::Window => Some(MemoryWindow::alloc(qp.device())?),
             RingIsolation::OwnPd => None,
         };
+        let imm_slots = if qp.device().immediate_data {
+            None
+        } else {
+            Some(ImmSlots::new(&qp, u32::from(cfg.recv_queue_depth))?)
+        };
         Ok(StreamQp {
             ring_window,
             qp,
+            imm_slots,
             ledger: Ledger::default(),
             send_buf,
             send_buf_id: 0,
@@ -237,10 +319,52 @@ impl StreamQp {
         &mut self.qp
     }
 
-    /// Posts `n` zero-length receive WRs (each RDMA WRITE WITH IMM of the
-    /// peer consumes one).
+    /// Whether the device carries immediate data (false on iWARP: see the
+    /// module docs); announced in the handshake.
+    pub(crate) fn immediate_data(&self) -> bool {
+        self.imm_slots.is_none()
+    }
+
+    /// Posts `n` receive WRs, each consumed by one message of the peer:
+    /// zero-length ones for RDMA WRITE WITH IMM, or each with a free
+    /// 4-byte slot for the immediate's SEND on a device without immediate
+    /// data.
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if the post fails; [`Error::Internal`] if more
+    /// receive WRs would be posted than slots exist (the runtime keeps at
+    /// most `recv_queue_depth` posted).
     pub(crate) fn post_recvs(&mut self, n: u32) -> Result<()> {
-        self.qp.post_recvs(n)
+        let Some(slots) = &mut self.imm_slots else {
+            return self.qp.post_recvs(n);
+        };
+        if n as usize > slots.free.len() {
+            return Err(Error::Internal(format!(
+                "{n} receive WRs posted with {} immediate slots free",
+                slots.free.len()
+            )));
+        }
+        let (addr, lkey) = (slots.buf.addr(), slots.buf.lkey());
+        let wrs: Vec<(u64, Sge)> = (0..n)
+            .filter_map(|_| slots.take())
+            .map(|slot| {
+                let sge = Sge {
+                    addr: addr + u64::from(slot) * IMM_LEN as u64,
+                    len: IMM_LEN as u32,
+                    lkey,
+                };
+                (Work::Recv(u64::from(slot)).wr_id(), sge)
+            })
+            .collect();
+        // SAFETY: each SGE names a 4-byte slot of `imm_slots.buf`,
+        // registered with local write on this QP's PD, a field dropped
+        // after the QP is destroyed. A slot left the free list above and
+        // returns to it only at its completion or flush (`poll`), so no
+        // two posted receives share one and the program reads a slot only
+        // after the NIC is done with it. On an error the slots stay out of
+        // the free list (the connection fails; a slot the NIC may still
+        // write is never reused).
+        unsafe { self.qp.post_recv_sges(&wrs) }
     }
 
     /// Where the CQ's events arrive, to wait without the lock.
@@ -554,29 +678,66 @@ impl StreamQp {
             }
         };
         let wr_id = w.work.wr_id();
-        let wr = SendWr {
+        let imm_be = w.imm.to_be_bytes();
+        let with_imm = self.imm_slots.is_none();
+        let message = SendWr {
             wr_id,
             signaled: w.signaled,
             solicited: true,
-            op: SendOp::WriteImm {
+            op: if with_imm {
+                SendOp::WriteImm {
+                    payload,
+                    remote_addr: w.remote_addr,
+                    rkey: w.rkey,
+                    imm: w.imm,
+                }
+            } else {
+                // No immediate data: the immediate's SEND, after the
+                // payload's RDMA WRITE (module docs).
+                SendOp::Send {
+                    payload: SendPayload::Inline(&imm_be),
+                }
+            },
+        };
+        let write_half = (!with_imm && w.len > 0).then(|| SendWr {
+            wr_id: match w.work {
+                Work::Core(n) => Work::Window(WRITE_HALF | n).wr_id(),
+                _ => wr_id,
+            },
+            signaled: false,
+            solicited: false,
+            op: SendOp::Write {
                 payload,
                 remote_addr: w.remote_addr,
                 rkey: w.rkey,
-                imm: w.imm,
             },
+        });
+        let pair;
+        let wrs: &[SendWr<'_>] = match write_half {
+            Some(half) => {
+                pair = [half, message];
+                &pair
+            }
+            None => std::slice::from_ref(&message),
         };
-        // SAFETY: an SGE names a range inside the send buffer (checked
-        // above), registered with local write on this QP's PD (a cached
-        // buffer is on the device's PD, which an on-demand QP shares). The
-        // ledger records right below that this WR names that buffer, so
+        // SAFETY: an SGE (of the WRITE WITH IMM, or of the WRITE half
+        // without immediate data) names a range inside the send buffer
+        // (checked above), registered with local write on this QP's PD (a
+        // cached buffer is on the device's PD, which an on-demand QP
+        // shares). The immediate's SEND is inline. The ledger records
+        // right below that this message names that buffer (under the
+        // SEND's wr_id, which completes after the WRITE half), so
         // giving it up before the WR's completion or flush
         // (`give_up_send_buf`) leaves it with the ledger, a field dropped
         // after the QP is destroyed. The program writes the buffer only
         // in ranges the protocol core reports free, never one a posted WR
         // reads. Inline payloads are copied at posting.
-        let posted = unsafe { self.qp.post_send_batch(std::slice::from_ref(&wr)) };
-        // A single WR is taken whole or not at all.
-        if posted.is_ok() {
+        let posted = unsafe { self.qp.post_send_batch(wrs) };
+        // A single WR is taken whole or not at all. Of a pair, the WRITE
+        // may have been taken without its SEND: it is recorded anyway, and
+        // its error or flush completion (reported with the SEND's wr_id by
+        // `poll`) ends the record.
+        if posted.is_ok() || wrs.len() > 1 {
             self.ledger.record(wr_id, PostedOp::Write, pin);
         }
         self.inline_scratch = tmp;
@@ -593,7 +754,24 @@ impl StreamQp {
     pub(crate) fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
         let start = out.len();
         let polled = self.qp.poll(out);
-        for wc in &out[start..] {
+        for wc in &mut out[start..] {
+            match (wc.work, &mut self.imm_slots) {
+                (Work::Recv(slot), Some(slots)) => {
+                    // The immediate's SEND: reported as the RDMA WRITE
+                    // WITH IMM it stands for. A SEND of another length
+                    // stays a plain receive (a protocol error above).
+                    if let Some(imm) = slots.complete(slot, wc.ok(), wc.byte_len) {
+                        wc.kind = WcKind::RecvImm;
+                        wc.imm = imm;
+                        wc.byte_len = 0;
+                    }
+                }
+                (Work::Window(n), Some(_)) if n & WRITE_HALF != 0 => {
+                    // A failed or flushed WRITE half: its message's.
+                    wc.work = Work::Core(n & !WRITE_HALF);
+                }
+                _ => {}
+            }
             if !matches!(wc.work, Work::Recv(_)) {
                 self.ledger.complete(wc.wr_id());
             }

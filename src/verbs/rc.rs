@@ -24,7 +24,7 @@ use rdma_mummy_sys::{
     ibv_qp_attr, ibv_qp_state, ibv_send_flags, ibv_send_wr, ibv_wc, ibv_wr_opcode,
 };
 use sideway::ibverbs::AccessFlags;
-use sideway::ibverbs::device::{DeviceInfo as _, DeviceList};
+use sideway::ibverbs::device::{DeviceInfo as _, DeviceList, TransportType};
 use sideway::ibverbs::device_context::{
     AllocateProtectionDomainErrorKind, AtomicCapability, DeviceContext,
 };
@@ -60,8 +60,24 @@ pub(crate) struct OpenDevice {
     /// Whether the device executes RDMA atomics (`atomic_cap` other than
     /// `IBV_ATOMIC_NONE`; false if the attributes cannot be read).
     pub(crate) atomics: bool,
+    /// Whether the device carries immediate data (RDMA WRITE WITH IMM,
+    /// SEND WITH IMM): InfiniBand and RoCE do; iWARP (RFC 5040) has no
+    /// immediate data, so there a stream carries each 32-bit immediate in
+    /// a 4-byte SEND after its RDMA WRITE (`stream::qp`).
+    pub(crate) immediate_data: bool,
+    /// Whether a CQ armed for solicited events only wakes on a solicited
+    /// receive. Soft-iWARP (`siw`, vendor id [`SIW_VENDOR_ID`]) does not:
+    /// its receive completions test the CQ's arming as unsolicited
+    /// (`siw_rqe_complete` in Linux 6.1 passes `SIW_WQE_SIGNALLED`), so a
+    /// solicited-only arm never fires there and [`RcQueuePair::arm`] arms
+    /// for every completion instead.
+    pub(crate) solicited_events: bool,
     _counted_pd: Counted,
 }
+
+/// `ibv_device_attr::vendor_id` of Soft-iWARP: ASCII `"bmt"` (Linux
+/// `drivers/infiniband/sw/siw/siw.h`, `SIW_VENDOR_ID`).
+pub(crate) const SIW_VENDOR_ID: u32 = 0x62_6d74;
 
 impl OpenDevice {
     /// Whether the device has type-2 memory windows.
@@ -103,6 +119,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         .iter()
         .find(|d| d.name() == name)
         .ok_or_else(|| Error::DeviceNotFound { name: name.into() })?;
+    let immediate_data = dev.transport_type() != TransportType::IWarp;
     let ctx = dev.open().map_err(|e| Error::Verbs {
         op: "ibv_open_device",
         source: io::Error::other(e),
@@ -133,6 +150,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
     let atomics = attr
         .as_ref()
         .is_some_and(|a| a.atomic_capability() != AtomicCapability::None);
+    let solicited_events = attr.as_ref().is_none_or(|a| a.vendor_id() != SIW_VENDOR_ID);
     let d = Arc::new(OpenDevice {
         name: name.to_string(),
         pd,
@@ -141,6 +159,8 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         max_cqe,
         limits,
         atomics,
+        immediate_data,
+        solicited_events,
         _counted_pd: Counted::new(Kind::ProtectionDomain),
     });
     map.insert(name.to_string(), Arc::clone(&d));
@@ -430,6 +450,11 @@ pub(crate) struct RcSizes {
     /// Take a seat on a CQ shared with other QPs of the runtime instead of
     /// a CQ of its own ([`QpCq`]).
     pub share_cq: bool,
+    /// A stream, whose every message is one RDMA WRITE WITH IMM: on a
+    /// device without immediate data (iWARP) it becomes an RDMA WRITE and a
+    /// 4-byte inline SEND, so the send queue is made twice as deep and
+    /// inline data at least 4 bytes.
+    pub imm_in_send_without_immediate: bool,
 }
 
 /// Completion status as the runtime needs it.
@@ -647,12 +672,16 @@ pub(crate) enum SendOp<'a> {
         remote_addr: u64,
         rkey: u32,
     },
-    /// RDMA WRITE of `local` to `remote_addr` (no immediate data).
+    /// RDMA WRITE of `payload` to `remote_addr` (no immediate data; no
+    /// receive WR consumed at the peer).
     Write {
-        local: Sge,
+        payload: SendPayload<'a>,
         remote_addr: u64,
         rkey: u32,
     },
+    /// SEND of `payload` (no immediate data): consumes one receive WR at
+    /// the peer, where it lands in that WR's buffer.
+    Send { payload: SendPayload<'a> },
     /// ATOMIC compare-and-swap of the 8 bytes at `remote_addr` (8-byte
     /// aligned): swapped to `swap` if equal to `compare`; the original
     /// value lands in `local` (8 bytes).
@@ -713,7 +742,13 @@ impl RcQueuePair {
         let limits = &device.limits;
         let events = CqEvents::new(&device, sizes.share_cq)?;
         let mut counted = Vec::with_capacity(2);
-        let entries = sizes.send_depth + sizes.recv_depth + 16;
+        let imm_in_send = sizes.imm_in_send_without_immediate && !device.immediate_data;
+        let (send_depth, max_inline) = if imm_in_send {
+            (sizes.send_depth.saturating_mul(2), sizes.max_inline.max(4))
+        } else {
+            (sizes.send_depth, sizes.max_inline)
+        };
+        let entries = send_depth + sizes.recv_depth + 16;
         let cq = QpCq::new(&device, &events, entries, sizes.share_cq)?;
         let own_pd = sizes.own_pd_without_windows && !device.has_memory_windows();
         let pd = if own_pd {
@@ -728,11 +763,11 @@ impl RcQueuePair {
         };
         let qp = pd
             .create_qp_builder()
-            .setup_max_send_wr(sizes.send_depth)
+            .setup_max_send_wr(send_depth)
             .setup_max_recv_wr(sizes.recv_depth)
             .setup_max_send_sge(1)
             .setup_max_recv_sge(1)
-            .setup_max_inline_data(sizes.max_inline)
+            .setup_max_inline_data(max_inline)
             .setup_send_cq(Arc::clone(cq.completion_queue()))
             .setup_recv_cq(Arc::clone(cq.completion_queue()))
             .build()
@@ -755,7 +790,7 @@ impl RcQueuePair {
             cq,
             events: Arc::new(events),
             probe_outstanding: false,
-            max_inline: sizes.max_inline,
+            max_inline,
             own_pd,
             pd,
             device,
@@ -1053,7 +1088,12 @@ impl RcQueuePair {
             } else {
                 WorkRequestFlags::none()
             };
-            if w.solicited && matches!(w.op, SendOp::SendImm { .. } | SendOp::WriteImm { .. }) {
+            if w.solicited
+                && matches!(
+                    w.op,
+                    SendOp::SendImm { .. } | SendOp::WriteImm { .. } | SendOp::Send { .. }
+                )
+            {
                 flags |= WorkRequestFlags::Solicited;
             }
             let wr = guard.construct_wr(w.wr_id, flags);
@@ -1095,13 +1135,30 @@ impl RcQueuePair {
                     unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
                 }
                 SendOp::Write {
-                    local,
+                    payload,
                     remote_addr,
                     rkey,
                 } => {
                     let wr = wr.setup_write(rkey, remote_addr);
-                    // SAFETY: the caller guarantees the SGE's memory.
-                    unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
+                    match payload {
+                        SendPayload::None => {}
+                        SendPayload::Inline(data) => wr.setup_inline_data(data),
+                        // SAFETY: the caller guarantees the SGE's memory.
+                        SendPayload::Sge(sge) => unsafe {
+                            wr.setup_sge(sge.lkey, sge.addr, sge.len)
+                        },
+                    }
+                }
+                SendOp::Send { payload } => {
+                    let wr = wr.setup_send();
+                    match payload {
+                        SendPayload::None => {}
+                        SendPayload::Inline(data) => wr.setup_inline_data(data),
+                        // SAFETY: the caller guarantees the SGE's memory.
+                        SendPayload::Sge(sge) => unsafe {
+                            wr.setup_sge(sge.lkey, sge.addr, sge.len)
+                        },
+                    }
                 }
                 SendOp::CompareSwap {
                     local,
@@ -1156,12 +1213,15 @@ impl RcQueuePair {
     /// event for flushed receive WRs). Our own send completions then raise
     /// no event: a task that waits for one asks for every completion. A
     /// request for every completion is not narrowed by a later solicited
-    /// one until the event fires (rxe keeps the wider request).
+    /// one until the event fires (rxe keeps the wider request). On a
+    /// device whose solicited events do not fire for receives (siw:
+    /// [`OpenDevice::solicited_events`]) it always arms for every
+    /// completion.
     ///
     /// # Errors
     /// [`Error::Verbs`] if `ibv_req_notify_cq` fails.
     pub(crate) fn arm(&self, solicited_only: bool) -> Result<()> {
-        self.cq.arm(solicited_only)
+        self.cq.arm(solicited_only && self.device.solicited_events)
     }
 
     /// Where the CQ's events arrive, to wait without the lock.
