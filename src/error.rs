@@ -344,6 +344,20 @@ pub enum Error {
         device: String,
     },
 
+    /// An `auto://` listener cannot serve TCP and RDMA on one port number
+    /// over iWARP: iWARP is RDMA over TCP, and its listener takes the TCP
+    /// port itself (`rdma_listen` answers `EADDRINUSE` for a port the TCP
+    /// listener holds, and a TCP listener could not take the iWARP one).
+    /// Bind `rdma://` and `tcp://` listeners on two ports instead. Maps to
+    /// [`io::ErrorKind::Unsupported`].
+    #[error(
+        "{addr}: iWARP shares TCP's port space, so one port cannot serve both TCP and RDMA; bind rdma:// and tcp:// on two ports"
+    )]
+    AutoPortOnIwarp {
+        /// The address the listener was asked for (`auto://host:port`).
+        addr: String,
+    },
+
     /// The device has no RDMA atomics (`ibv_device_attr::atomic_cap` is
     /// `IBV_ATOMIC_NONE`, as on Soft-iWARP, whose protocol has none):
     /// [`MessageEndpoint::compare_swap`](crate::MessageEndpoint::compare_swap),
@@ -467,7 +481,9 @@ impl Error {
                 _ => io::ErrorKind::ConnectionAborted,
             },
             Error::IncomingMessageMemory { .. } => io::ErrorKind::OutOfMemory,
-            Error::NoMemoryWindows { .. } | Error::NoAtomics { .. } => io::ErrorKind::Unsupported,
+            Error::NoMemoryWindows { .. }
+            | Error::NoAtomics { .. }
+            | Error::AutoPortOnIwarp { .. } => io::ErrorKind::Unsupported,
             Error::PeerDisconnected => io::ErrorKind::ConnectionReset,
             Error::DeviceRemoved | Error::LocalAbort => io::ErrorKind::ConnectionAborted,
             Error::WriteAfterShutdown | Error::PeerClosed => io::ErrorKind::BrokenPipe,
@@ -698,6 +714,7 @@ impl Clone for Error {
             Error::NoAtomics { device } => Error::NoAtomics {
                 device: device.clone(),
             },
+            Error::AutoPortOnIwarp { addr } => Error::AutoPortOnIwarp { addr: addr.clone() },
             Error::Internal(s) => Error::Internal(s.clone()),
         }
     }

@@ -10,6 +10,8 @@
 //! host builds (`cargo test --all-features` included) leave it empty.
 #![cfg(tokio_rdma_guest)]
 
+mod common;
+
 use std::convert::Infallible;
 use std::io;
 use std::pin::Pin;
@@ -147,7 +149,7 @@ async fn serve_one(
     let (tx, rx) = tokio::sync::oneshot::channel();
     let task = tokio::spawn(async move {
         let (s, _) = l.accept().await.expect("accept");
-        assert_eq!(s.device(), "rxe0");
+        assert_eq!(s.device(), common::device());
         let io = Watched::new(s);
         let _ = tx.send(io.clone());
         let io = TokioIo::new(io);
@@ -226,7 +228,7 @@ async fn http2_fifty_concurrent_1mib_echoes_on_one_connection() {
     const REQUESTS: usize = 50;
     let (addr, served, server) = serve_one(true).await;
     let s = RdmaStream::connect(addr).await.expect("connect");
-    assert_eq!(s.device(), "rxe0");
+    assert_eq!(s.device(), common::device());
     let client_io = Watched::new(s);
     let server_io = served.await.expect("server accepted");
     let (sender, conn) = hyper::client::conn::http2::handshake(
@@ -301,7 +303,7 @@ async fn http1_hundred_sequential_echoes_and_hello() {
     const SIZES: [usize; 3] = [0, 64, MIB];
     let (addr, served, server) = serve_one(false).await;
     let s = RdmaStream::connect(addr).await.expect("connect");
-    assert_eq!(s.device(), "rxe0");
+    assert_eq!(s.device(), common::device());
     let client_io = Watched::new(s);
     let server_io = served.await.expect("server accepted");
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(client_io.clone()))

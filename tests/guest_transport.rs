@@ -35,6 +35,19 @@ const GUEST: Scale = Scale {
     frames: 300,
 };
 
+/// Whether the guest's device (`TOKIO_RDMA_TEST_DEVICE`, set by
+/// `integration/softroce`) speaks iWARP, as `tokio_rdma::verbs::device`
+/// reports it.
+fn iwarp() -> bool {
+    let name = std::env::var("TOKIO_RDMA_TEST_DEVICE").unwrap_or_else(|_| "rxe0".into());
+    let dev = tokio_rdma::verbs::device::devices()
+        .unwrap()
+        .into_iter()
+        .find(|d| d.name == name)
+        .unwrap_or_else(|| panic!("device {name} in the guest"));
+    dev.transport == tokio_rdma::verbs::device::RdmaTransport::Iwarp
+}
+
 fn base() -> TransportAddr {
     format!("rdma://{IP}:0").parse().unwrap()
 }
@@ -106,7 +119,9 @@ async fn auto_falls_back_to_tcp_only_peer() {
     within(
         LIMIT,
         "auto fallback",
-        transport_suite::auto_falls_back_to_tcp_peer(IP),
+        // Over iWARP the RDMA attempt is itself a TCP connection to that
+        // port: the TCP-only peer accepts it and reads MPA's request key.
+        transport_suite::auto_falls_back_to_tcp_peer(IP, usize::from(iwarp())),
     )
     .await;
 }
@@ -117,6 +132,19 @@ async fn auto_falls_back_to_tcp_only_peer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_picks_rdma_against_rdma_peer() {
     within(LIMIT, "auto picks rdma", async {
+        if iwarp() {
+            // iWARP's listener is a TCP listener: no port serves both.
+            let err = Listener::bind(format!("auto://{IP}:0")).await.unwrap_err();
+            assert_eq!(err.kind(), std::io::ErrorKind::Unsupported, "{err}");
+            assert!(
+                matches!(
+                    tokio_rdma::Error::from_io(&err),
+                    Some(tokio_rdma::Error::AutoPortOnIwarp { addr }) if *addr == format!("auto://{IP}:0")
+                ),
+                "{err:?}"
+            );
+            return;
+        }
         let listener = Listener::bind(format!("auto://{IP}:0")).await.unwrap();
         assert!(listener.serves(Transport::Auto));
         let port = listener.local_addr().unwrap().port();
@@ -159,7 +187,10 @@ async fn auto_client_against_rdma_only_listener() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_with_a_wrong_device_is_an_error_not_a_fallback() {
     within(LIMIT, "auto wrong device", async {
-        let listener = Listener::bind(format!("auto://{IP}:0")).await.unwrap();
+        // A peer that serves TCP too (over iWARP, which cannot share a
+        // port between the two, a TCP listener).
+        let scheme = if iwarp() { "tcp" } else { "auto" };
+        let listener = Listener::bind(format!("{scheme}://{IP}:0")).await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let before = tokio_rdma::transport::fallback_count();
         let cfg = tokio_rdma::RdmaConfig::new().device("mlx5_99");

@@ -83,7 +83,7 @@ async fn auto_falls_back_to_tcp_only_peer() {
     within(
         LIMIT,
         "auto fallback",
-        transport_suite::auto_falls_back_to_tcp_peer("127.0.0.1"),
+        transport_suite::auto_falls_back_to_tcp_peer("127.0.0.1", 0),
     )
     .await;
 }

@@ -368,7 +368,15 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     let mut qp = setup.prepare(&dev, qp).await?;
     qp.as_mut().modify_to_init(&id)?;
     let hello = setup.on_init(&mut qp)?;
-    id.connect(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())?;
+    id.connect(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())
+        .map_err(|e| match e {
+            // iWARP connects its TCP connection inside rdma_connect: no
+            // listener there is refused at once, as TCP's connect is.
+            Error::Verbs { source, .. } if source.raw_os_error() == Some(libc::ECONNREFUSED) => {
+                Error::ConnectionRefused { addr }
+            }
+            e => e,
+        })?;
     stage.set(ConnectStage::AwaitingReply);
     // InfiniBand and RoCE answer with CONNECT_RESPONSE, after which this
     // side moves the QP to RTS and sends the RTU (rdma_establish). iWARP's
@@ -437,7 +445,11 @@ pub(crate) async fn raw_connect(addr: SocketAddr, private_data: &[u8]) -> Result
     expect(&mut id, addr, CmEventKind::RouteResolved).await?;
     let (_dev, mut qp, _device) = new_qp(&id, &cfg, cfg.stream_sizes())?;
     qp.modify_to_init(&id)?;
-    qp.post_recvs(cfg.recv_queue_depth.into())?;
+    // Zero-length receive WRs need immediate data (iWARP's provider
+    // refuses a receive WR without an SGE); nothing is exchanged here.
+    if qp.device().immediate_data {
+        qp.post_recvs(cfg.recv_queue_depth.into())?;
+    }
     id.connect(qp.qp_num(), private_data, 1)?;
     expect(&mut id, addr, CmEventKind::ConnectResponse).await?;
     let _ = id.disconnect();

@@ -441,10 +441,12 @@ impl StreamQp {
         Ok(())
     }
 
-    /// Registered bytes this QP holds now: the receive rings and the send
-    /// buffer while held.
+    /// Registered bytes this QP holds now: the receive rings, the send
+    /// buffer while held, and the immediates' receive slots on a device
+    /// without immediate data (4 bytes per receive WR).
     pub(crate) fn registered_bytes(&self) -> usize {
-        self.recv_ring.as_ref().map_or(0, RegisteredBuffer::len)
+        self.imm_slots.as_ref().map_or(0, |s| s.buf.len())
+            + self.recv_ring.as_ref().map_or(0, RegisteredBuffer::len)
             + self.grown_rings.iter().map(|r| r.buf.len()).sum::<usize>()
             + self.send_buf.as_ref().map_or(0, RegisteredBuffer::len)
     }

@@ -68,7 +68,9 @@ impl Listener {
     /// (`NotFound` without an RDMA device for `rdma://`, `AddrInUse`). An
     /// `auto://` listener only fails when TCP fails to bind, or when RDMA
     /// fails for a reason other than "no RDMA here" (for example the rdma_cm
-    /// port of an explicitly given number is in use).
+    /// port of an explicitly given number is in use), and with
+    /// `Unsupported` ([`crate::Error::AutoPortOnIwarp`]) on an iWARP
+    /// device, whose RDMA listener is itself a TCP listener.
     pub async fn bind_with(
         addr: impl ToTransportAddr,
         config: &RdmaConfig,
@@ -221,6 +223,18 @@ async fn bind_auto(addr: &TransportAddr, config: &RdmaConfig) -> io::Result<Inne
                 return Err(e);
             }
         }
+    }
+    // Over iWARP every attempt collides: its listener is a TCP listener
+    // (`Error::AutoPortOnIwarp`).
+    let iwarp = crate::verbs::device::devices().is_ok_and(|d| {
+        d.iter()
+            .any(|d| d.transport == crate::verbs::device::RdmaTransport::Iwarp)
+    });
+    if iwarp {
+        return Err(crate::Error::AutoPortOnIwarp {
+            addr: addr.to_string(),
+        }
+        .into());
     }
     Err(last.unwrap_or_else(|| io::Error::other("auto listener: no port free for TCP and RDMA")))
 }

@@ -11,7 +11,9 @@ use std::io;
 use std::net::{IpAddr, Ipv6Addr};
 
 use sideway::ibverbs::address::GidType as SwGidType;
-use sideway::ibverbs::device::{DeviceInfo as _, DeviceList, GetDeviceListErrorKind};
+use sideway::ibverbs::device::{
+    DeviceInfo as _, DeviceList, GetDeviceListErrorKind, TransportType,
+};
 use sideway::ibverbs::device_context::{LinkLayer as SwLinkLayer, PortState as SwPortState};
 
 use crate::error::{Error, Result};
@@ -128,6 +130,33 @@ pub struct Port {
     pub gids: Vec<Gid>,
 }
 
+/// The RDMA transport a device speaks (`ibv_device::transport_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RdmaTransport {
+    /// InfiniBand's transport: InfiniBand and RoCE (v1, v2) devices,
+    /// Soft-RoCE (`rdma_rxe`) included. Immediate data, memory windows
+    /// (where the device has them), atomics (where `atomic_cap` allows).
+    InfiniBand,
+    /// iWARP (RDMA over TCP, RFC 5040/5041/5044): Chelsio T5/T6, Intel
+    /// E810 in iWARP mode, Soft-iWARP (`siw`). No immediate data; the
+    /// connection is a TCP connection, in TCP's port space.
+    Iwarp,
+    /// Another transport libibverbs reports (usNIC, unknown), with its
+    /// `ibv_transport_type` value.
+    Other(i32),
+}
+
+impl fmt::Display for RdmaTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RdmaTransport::InfiniBand => f.write_str("InfiniBand"),
+            RdmaTransport::Iwarp => f.write_str("iWARP"),
+            RdmaTransport::Other(t) => write!(f, "transport {t}"),
+        }
+    }
+}
+
 /// An RDMA device (HCA/RNIC) with its ports.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -139,6 +168,8 @@ pub struct Device {
     pub node_guid: u64,
     /// Firmware version string as reported by the driver (may be empty).
     pub firmware: String,
+    /// The transport it speaks: InfiniBand (also RoCE) or iWARP.
+    pub transport: RdmaTransport,
     /// Physical ports, in port-number order.
     pub ports: Vec<Port>,
 }
@@ -326,6 +357,11 @@ pub fn devices() -> Result<Vec<Device>, Error> {
             });
         }
         out.push(Device {
+            transport: match dev.transport_type() {
+                TransportType::InfiniBand => RdmaTransport::InfiniBand,
+                TransportType::IWarp => RdmaTransport::Iwarp,
+                other => RdmaTransport::Other(other as i32),
+            },
             name,
             node_guid: u64::from_be(attr.node_guid().as_u64()),
             firmware: attr.firmware_version(),
@@ -417,6 +453,7 @@ mod tests {
             name: "rxe0".into(),
             node_guid: 0x0200_5eff_fe00_0001,
             firmware: String::new(),
+            transport: RdmaTransport::InfiniBand,
             ports: vec![Port {
                 port_num: 1,
                 state,

@@ -8,6 +8,13 @@ mod echo_loop;
 #[allow(unused_imports)]
 pub use echo_loop::echo;
 
+/// The soft RDMA device the guest runs on: `TOKIO_RDMA_TEST_DEVICE`, which
+/// `integration/softroce` sets (`rxe0` for Soft-RoCE, `siw0` with
+/// `--provider siw`); `rxe0` when unset.
+pub fn device() -> String {
+    std::env::var("TOKIO_RDMA_TEST_DEVICE").unwrap_or_else(|_| "rxe0".to_string())
+}
+
 /// The path of an example binary (`cargo test` builds them beside the
 /// test binaries).
 pub fn example(name: &str) -> std::path::PathBuf {

@@ -588,16 +588,30 @@ pub async fn framed_length_delimited(base: &TransportAddr, frames: usize) {
 }
 
 /// `auto://` against a TCP-only peer (a plain `tokio::net::TcpListener` on
-/// `host`): falls back to TCP and exchanges bytes.
-pub async fn auto_falls_back_to_tcp_peer(host: &str) {
+/// `host`): falls back to TCP and exchanges bytes. `mpa_probes` is how many
+/// connections the peer sees first that start with MPA's request key
+/// (`"MPA ID Req Frame"`, RFC 5044 7.1): 1 over iWARP, whose RDMA attempt
+/// is a TCP connection to the same port, 0 otherwise.
+pub async fn auto_falls_back_to_tcp_peer(host: &str, mpa_probes: usize) {
+    const MPA_REQ_KEY: &[u8; 16] = b"MPA ID Req Frame";
     let tcp = tokio::net::TcpListener::bind((host, 0)).await.unwrap();
     let server_addr = tcp.local_addr().unwrap();
     let server = tokio::spawn(async move {
-        let (mut s, _) = tcp.accept().await.unwrap();
-        let mut buf = [0u8; 5];
-        s.read_exact(&mut buf).await.unwrap();
-        assert_eq!(&buf, b"hello");
-        s.write_all(b"world").await.unwrap();
+        let mut probes = 0;
+        loop {
+            let (mut s, _) = tcp.accept().await.unwrap();
+            let mut buf = [0u8; 5];
+            s.read_exact(&mut buf).await.unwrap();
+            if &buf == b"hello" {
+                s.write_all(b"world").await.unwrap();
+                return probes;
+            }
+            let mut key = [0u8; 16];
+            key[..5].copy_from_slice(&buf);
+            s.read_exact(&mut key[5..]).await.unwrap();
+            assert_eq!(&key, MPA_REQ_KEY, "a connection that is neither");
+            probes += 1;
+        }
     });
     let addr = TransportAddr::new(Transport::Auto, host, server_addr.port());
     let mut s = Stream::connect(&addr).await.unwrap();
@@ -607,7 +621,7 @@ pub async fn auto_falls_back_to_tcp_peer(host: &str) {
     let mut buf = [0u8; 5];
     s.read_exact(&mut buf).await.unwrap();
     assert_eq!(&buf, b"world");
-    server.await.unwrap();
+    assert_eq!(server.await.unwrap(), mpa_probes, "MPA requests seen");
 }
 
 /// One round trip of `msg` through a connection to an accepting
