@@ -320,6 +320,11 @@ struct SuiteArgs {
     /// A heading for the tables (for example the wire's condition).
     #[arg(long, default_value = "")]
     label: String,
+    /// Streams and TCP only: leave the MessageEndpoint rows out (a device
+    /// without memory windows, such as Soft-iWARP, has no message
+    /// endpoints yet).
+    #[arg(long)]
+    streams_only: bool,
     /// Rounds of the one-way sections (stream bulk and messages): each
     /// round runs the perftest reference again and then every row,
     /// and each row prints the median of its rounds and its ratio as
@@ -1239,8 +1244,15 @@ async fn suite(args: SuiteArgs) {
         rounds,
         events,
         summary,
+        streams_only,
         ..
     } = args;
+    // perftest reaches an iWARP device only through rdma_cm (`-R`).
+    let iwarp = tokio_rdma::verbs::device::devices().is_ok_and(|ds| {
+        ds.iter().any(|d| {
+            d.name == device && d.transport == tokio_rdma::verbs::device::RdmaTransport::Iwarp
+        })
+    });
     let run = |c: Case, n: u64| async move {
         match server_ip {
             Some(peer) => run_remote_case(peer, &c, n).await,
@@ -1420,8 +1432,10 @@ async fn suite(args: SuiteArgs) {
         );
     }
     // Across hosts the peer's perftest servers run with `-R` (rdma_cm picks
-    // the GID for the address); locally the RoCE v2 GID index is given.
+    // the GID for the address), as on iWARP; locally on RoCE the RoCE v2
+    // GID index is given.
     let common = match server_ip {
+        _ if iwarp => vec!["-d".to_string(), device, "-R".into(), "-F".into()],
         Some(_) => vec!["-d".to_string(), device, "-R".into(), "-F".into()],
         None => vec![
             "-d".to_string(),
@@ -1472,7 +1486,7 @@ async fn suite(args: SuiteArgs) {
         }
         _ => println!("  ib_send_lat x2 (raw verbs)   n/a (perftest failed)"),
     }
-    for c in &latency {
+    for c in latency.iter().filter(|c| !(streams_only && c.message)) {
         match run(c.clone(), requests).await {
             Some(o) => {
                 println!(
@@ -1497,7 +1511,7 @@ async fn suite(args: SuiteArgs) {
     println!(
         "echo, K in flight (us)                               p50     mean      p99    p99.9     req/s  CPU us/rt  MB/s each way  vs ib_write_bw"
     );
-    for c in &bulk {
+    for c in bulk.iter().filter(|c| !(streams_only && c.message)) {
         let mut bw = common.clone();
         bw.extend(["-s".into(), c.size.to_string(), "-D".into(), "4".into()]);
         if c.size >= 1 << 20 {
@@ -1657,7 +1671,7 @@ async fn suite(args: SuiteArgs) {
         }
     }
 
-    if server_ip.is_none() {
+    if server_ip.is_none() && !streams_only {
         message_one_way(&common, requests, rounds, events, &perf, &run).await;
     }
 
@@ -1667,7 +1681,7 @@ async fn suite(args: SuiteArgs) {
             "syscalls per round trip, both processes, clock reads left out ({}; perftest: 2); the most frequent",
             counter.describe()
         );
-        for c in &latency {
+        for c in latency.iter().filter(|c| !(streams_only && c.message)) {
             match run_case(ip, c, 2000, Some(counter)).await {
                 Some(o) => {
                     let (total, top) = o.syscalls_per_rt.unwrap_or((f64::NAN, String::new()));

@@ -300,10 +300,12 @@ fn event_error(kind: CmEventKind, status: i32, private_data: &[u8], addr: Socket
             source: std::io::Error::from_raw_os_error(status.saturating_neg()),
         },
         CmEventKind::Rejected => match decode_reject(private_data) {
-            // The IB CM's consumer-defined reject, or iWARP's (an MPA
-            // reject: -ECONNREFUSED), with our reject message.
+            // The IB CM's consumer-defined reject (a positive IB reject
+            // reason), or iWARP's MPA reject (a negative errno: the kernel
+            // CM reports -ECONNREFUSED or -ECONNRESET), with our reject
+            // message.
             Some((server_version, reason))
-                if status == IB_CM_REJ_CONSUMER_DEFINED || status == -libc::ECONNREFUSED =>
+                if status == IB_CM_REJ_CONSUMER_DEFINED || status < 0 =>
             {
                 Error::HandshakeRejected {
                     addr,
