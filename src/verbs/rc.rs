@@ -24,6 +24,7 @@ use rdma_mummy_sys::{
     ibv_qp_attr, ibv_qp_state, ibv_send_flags, ibv_send_wr, ibv_wc, ibv_wr_opcode,
 };
 use sideway::ibverbs::AccessFlags;
+use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::device::{DeviceInfo as _, DeviceList, TransportType};
 use sideway::ibverbs::device_context::{
     AllocateProtectionDomainErrorKind, AtomicCapability, DeviceContext,
@@ -72,8 +73,23 @@ pub(crate) struct OpenDevice {
     /// solicited-only arm never fires there and [`RcQueuePair::arm`] arms
     /// for every completion instead.
     pub(crate) solicited_events: bool,
+    /// Soft-iWARP only: a CQ of 32,768 entries (1 MiB of queue, 256 pages)
+    /// created first on the context, so its mapping covers pages 0-255 of
+    /// the context's mmap space for the process's life. libsiw takes the
+    /// key 0x90000 (page 144), a valid offset, for its "invalid key"
+    /// (`SIW_INVAL_UOBJ_KEY` is `SIW_UOBJ_MAX_KEY + 1` in `siw-abi.h`)
+    /// and destroys a CQ or QP the kernel mapped there, and the kernel
+    /// places mappings first-fit from page 0, so once the context's
+    /// mappings reach page 144 every new CQ or QP lands there and fails
+    /// (`ibv_create_cq`/`ibv_create_qp` with errno unset). Seen with tens
+    /// of connections in one process.
+    _siw_mmap_guard: Option<Arc<BasicCompletionQueue>>,
     _counted_pd: Counted,
 }
+
+/// Entries of [`OpenDevice`]'s Soft-iWARP guard CQ: 2^15, so its queue
+/// (32 bytes per entry) spans 256 pages, past page 144.
+const SIW_MMAP_GUARD_CQE: u32 = 1 << 15;
 
 /// `ibv_device_attr::vendor_id` of Soft-iWARP: ASCII `"bmt"` (Linux
 /// `drivers/infiniband/sw/siw/siw.h`, `SIW_VENDOR_ID`).
@@ -150,7 +166,24 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
     let atomics = attr
         .as_ref()
         .is_some_and(|a| a.atomic_capability() != AtomicCapability::None);
-    let solicited_events = attr.as_ref().is_none_or(|a| a.vendor_id() != SIW_VENDOR_ID);
+    let siw = attr
+        .as_ref()
+        .is_some_and(|a| a.vendor_id() == SIW_VENDOR_ID);
+    let solicited_events = !siw;
+    // Before any other CQ or QP of this context (see `_siw_mmap_guard`).
+    let siw_mmap_guard = if siw {
+        Some(
+            ctx.create_cq_builder()
+                .setup_cqe(SIW_MMAP_GUARD_CQE)
+                .build()
+                .map_err(|e| Error::Verbs {
+                    op: "ibv_create_cq (siw mmap guard)",
+                    source: io::Error::other(e),
+                })?,
+        )
+    } else {
+        None
+    };
     let d = Arc::new(OpenDevice {
         name: name.to_string(),
         pd,
@@ -161,6 +194,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         atomics,
         immediate_data,
         solicited_events,
+        _siw_mmap_guard: siw_mmap_guard,
         _counted_pd: Counted::new(Kind::ProtectionDomain),
     });
     map.insert(name.to_string(), Arc::clone(&d));
