@@ -315,6 +315,7 @@ impl RdmaConfig {
             own_pd_without_windows: true,
             share_cq: self.share_completion_queue,
             imm_in_send_without_immediate: true,
+            trailer_without_immediate: false,
         }
     }
 

@@ -331,19 +331,6 @@ pub enum Error {
         source: PoolError,
     },
 
-    /// The device has no memory windows (`max_mw` 0), which a message
-    /// endpoint needs to expose a rendezvous message to exactly one peer for
-    /// exactly as long as it reads it (a whole-region key would open every
-    /// buffer of the shared pool to every peer). Raised at connect and
-    /// accept. Maps to [`io::ErrorKind::Unsupported`].
-    #[error(
-        "RDMA device {device} has no memory windows (max_mw 0); message endpoints need them to isolate peers"
-    )]
-    NoMemoryWindows {
-        /// The device name.
-        device: String,
-    },
-
     /// An `auto://` listener cannot serve TCP and RDMA on one port number
     /// over iWARP: iWARP is RDMA over TCP, and its listener takes the TCP
     /// port itself (`rdma_listen` answers `EADDRINUSE` for a port the TCP
@@ -481,9 +468,7 @@ impl Error {
                 _ => io::ErrorKind::ConnectionAborted,
             },
             Error::IncomingMessageMemory { .. } => io::ErrorKind::OutOfMemory,
-            Error::NoMemoryWindows { .. }
-            | Error::NoAtomics { .. }
-            | Error::AutoPortOnIwarp { .. } => io::ErrorKind::Unsupported,
+            Error::NoAtomics { .. } | Error::AutoPortOnIwarp { .. } => io::ErrorKind::Unsupported,
             Error::PeerDisconnected => io::ErrorKind::ConnectionReset,
             Error::DeviceRemoved | Error::LocalAbort => io::ErrorKind::ConnectionAborted,
             Error::WriteAfterShutdown | Error::PeerClosed => io::ErrorKind::BrokenPipe,
@@ -707,9 +692,6 @@ impl Clone for Error {
             Error::IncomingMessageMemory { len, source } => Error::IncomingMessageMemory {
                 len: *len,
                 source: source.clone(),
-            },
-            Error::NoMemoryWindows { device } => Error::NoMemoryWindows {
-                device: device.clone(),
             },
             Error::NoAtomics { device } => Error::NoAtomics {
                 device: device.clone(),

@@ -15,8 +15,8 @@ pub enum RemoteAccess {
     MemoryWindow,
     /// A device without memory windows: the stream's QP and its buffers
     /// live on a protection domain of their own, so the ring's key is
-    /// useless from any other QP. Costs one PD per connection. (Message
-    /// endpoints refuse such devices: `Error::NoMemoryWindows`.)
+    /// useless from any other QP. Costs one PD per connection. (A
+    /// message endpoint does the same there: `MessageStats::scoped_registrations`.)
     OwnProtectionDomain,
 }
 

@@ -706,7 +706,7 @@ async fn address_without_rdma_route_is_unreachable() {
     assert!(matches!(inner, Some(Error::Unreachable { .. })), "{err:?}");
     // The kernel's address resolution answers ENODEV (no RDMA device has
     // 127.0.0.1) with rxe, EINVAL with siw present.
-    let want = if common::device().starts_with("siw") {
+    let want = if common::iwarp() {
         io::ErrorKind::HostUnreachable
     } else {
         io::ErrorKind::NotFound
@@ -955,7 +955,7 @@ async fn assert_forged_write_refused(forger: &mut RdmaStream, addr: u64, key: u3
         .await
         .expect("the forger's connection fails")
         .expect_err("a remote access error, not data or EOF");
-    if common::device().starts_with("siw") {
+    if common::iwarp() {
         // iWARP completes a WRITE once TCP took its bytes: the responder's
         // TERMINATE (a bad STag) moves the forger's QP to the error state,
         // and its receive WRs are flushed.
@@ -995,7 +995,7 @@ async fn a_ring_key_is_useless_from_another_connection() {
     let (b, (s2, _)) = (b.unwrap(), s2.unwrap());
     // A memory window bound on s2's QP, or (a device without windows) a
     // PD of s2's QP's own: either way the key is s2's QP's alone.
-    let want = if common::device().starts_with("siw") {
+    let want = if common::iwarp() {
         tokio_rdma::RemoteAccess::OwnProtectionDomain
     } else {
         tokio_rdma::RemoteAccess::MemoryWindow

@@ -17,6 +17,7 @@
 //! host builds (`cargo test --all-features` included) leave it empty.
 #![cfg(tokio_rdma_guest)]
 
+mod common;
 mod transport_suite;
 
 use std::time::Duration;
@@ -34,19 +35,6 @@ const GUEST: Scale = Scale {
     big_every: 25,
     frames: 300,
 };
-
-/// Whether the guest's device (`TOKIO_RDMA_TEST_DEVICE`, set by
-/// `integration/softroce`) speaks iWARP, as `tokio_rdma::verbs::device`
-/// reports it.
-fn iwarp() -> bool {
-    let name = std::env::var("TOKIO_RDMA_TEST_DEVICE").unwrap_or_else(|_| "rxe0".into());
-    let dev = tokio_rdma::verbs::device::devices()
-        .unwrap()
-        .into_iter()
-        .find(|d| d.name == name)
-        .unwrap_or_else(|| panic!("device {name} in the guest"));
-    dev.transport == tokio_rdma::verbs::device::RdmaTransport::Iwarp
-}
 
 fn base() -> TransportAddr {
     format!("rdma://{IP}:0").parse().unwrap()
@@ -121,7 +109,7 @@ async fn auto_falls_back_to_tcp_only_peer() {
         "auto fallback",
         // Over iWARP the RDMA attempt is itself a TCP connection to that
         // port: the TCP-only peer accepts it and reads MPA's request key.
-        transport_suite::auto_falls_back_to_tcp_peer(IP, usize::from(iwarp())),
+        transport_suite::auto_falls_back_to_tcp_peer(IP, usize::from(common::iwarp())),
     )
     .await;
 }
@@ -132,7 +120,7 @@ async fn auto_falls_back_to_tcp_only_peer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_picks_rdma_against_rdma_peer() {
     within(LIMIT, "auto picks rdma", async {
-        if iwarp() {
+        if common::iwarp() {
             // iWARP's listener is a TCP listener: no port serves both.
             let err = Listener::bind(format!("auto://{IP}:0")).await.unwrap_err();
             assert_eq!(err.kind(), std::io::ErrorKind::Unsupported, "{err}");
@@ -189,7 +177,7 @@ async fn auto_with_a_wrong_device_is_an_error_not_a_fallback() {
     within(LIMIT, "auto wrong device", async {
         // A peer that serves TCP too (over iWARP, which cannot share a
         // port between the two, a TCP listener).
-        let scheme = if iwarp() { "tcp" } else { "auto" };
+        let scheme = if common::iwarp() { "tcp" } else { "auto" };
         let listener = Listener::bind(format!("{scheme}://{IP}:0")).await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let before = tokio_rdma::transport::fallback_count();

@@ -290,13 +290,24 @@ impl MsgState {
             return;
         }
         if let Work::Recv(token) = wc.work {
-            let Some((token, buf)) = self.qp.take_recv(token, wc.byte_len) else {
-                self.fail(Error::Internal(format!(
-                    "receive completion for unknown token {token}"
-                )));
-                return;
+            // Without immediate data, the SEND's trailer is split off.
+            let (buf, imm, len) = match self.qp.take_recv_message(token, wc.imm, wc.byte_len) {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => {
+                    // Found by the runtime, not the core: abort with its
+                    // code as the core does for its own findings.
+                    self.core.abort(e.abort_code());
+                    self.protocol_error(e);
+                    return;
+                }
+                None => {
+                    self.fail(Error::Internal(format!(
+                        "receive completion for unknown token {token}"
+                    )));
+                    return;
+                }
             };
-            match self.core.on_recv(wc.imm, wc.byte_len, token, &buf) {
+            match self.core.on_recv(imm, len, token, &buf) {
                 Ok(RecvDisposition::Keep) => {
                     self.kept.insert(token, buf);
                     self.unposted += 1;
@@ -446,8 +457,15 @@ impl MsgState {
                 Ok(buf) => {
                     self.allocs.pop_front();
                     let t = self.token();
-                    self.quota.hold(t, buf.capacity() as u64);
-                    self.qp.add_dest(t, buf);
+                    let buf_len = buf.capacity() as u64;
+                    if let Err(e) = self.qp.add_dest(t, buf) {
+                        // Without windows the sink could not be registered.
+                        self.allocs.clear();
+                        self.core.abort(ABORT_CODE_APPLICATION);
+                        self.fail(e);
+                        break;
+                    }
+                    self.quota.hold(t, buf_len);
                     if let Err(e) = self.core.destination_ready(t) {
                         self.fail(Error::Message(e));
                     }
@@ -904,6 +922,12 @@ impl MsgConn {
         self.lock().core.params().eager_max as usize
     }
 
+    /// Whether the QP is on a PD of its own (a device without memory
+    /// windows): the memory its SGEs name must be the endpoint's own pool.
+    pub(crate) fn own_pd(&self) -> bool {
+        self.lock().qp.qp_ref().has_own_pd()
+    }
+
     /// Queues `msg`; posts at once unless `defer` (the `Sink` path, whose
     /// `poll_flush` posts the batch with one doorbell; a long batch is
     /// posted every [`FEED_BATCH`] messages).
@@ -1009,6 +1033,8 @@ impl MsgConn {
         let mut s = st.core.stats();
         s.window_binds = st.qp.window_binds();
         s.windows_held = st.qp.windows_held() as u64;
+        s.scoped_registrations = st.qp.scoped_registrations();
+        s.scoped_keys_live = st.qp.scoped_live() as u64;
         s.buffers_held_for_nic = st.qp.retired() as u64;
         s.quota_bytes_held = st.quota.held();
         s.quota_stalls = st.quota.stalls();

@@ -27,6 +27,25 @@
 //! read"); on a NIC a READ completes after its post returns, so the READs
 //! of rendezvous announced together still go in one drain.
 //!
+//! # iWARP
+//!
+//! On a device without immediate data and memory windows (iWARP; Soft-iWARP
+//! in the test bed) the same protocol runs with three changes. Each message
+//! is a plain SEND whose last 4 bytes carry its immediate (a second SGE
+//! from registered scratch, or inline), so `eager_max` is 4 bytes less.
+//! The QP is on a protection domain of its own, and so is the endpoint's
+//! pool ([`MessageEndpoint::pool`]: a pool of the connection's own with
+//! the configured pool's settings); an eager message in other memory is
+//! copied into it once, and a rendezvous source is reached wherever it
+//! lies. Every key the peer learns is a memory region over exactly the
+//! bytes it may touch, with exactly that access, on that PD: a rendezvous
+//! source (remote read) from its RTS until the DONE, an RDMA READ's sink
+//! (remote write: iWARP's READ response is a tagged write, RFC 5040
+//! section 4.4) until the READs completed, a grant until it is revoked.
+//! And since Soft-iWARP completes a SEND before an earlier READ whose
+//! response is still coming, every WR posted behind an outstanding READ
+//! carries `IBV_SEND_FENCE`, so completions stay in order.
+//!
 //! # Ports
 //!
 //! A message listener has a port of its own, like a second `TcpListener`:
@@ -72,7 +91,8 @@ use crate::error::{Error, Result};
 use crate::pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolConfig};
 use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::message::{
-    MAX_MESSAGE_LEN, MessageCore, MessageError, MessageParams, RTS_HEADER_LEN, initial_recv_posted,
+    MAX_MESSAGE_LEN, MessageCore, MessageError, MessageParams, RTS_HEADER_LEN, TRAILER_LEN,
+    initial_recv_posted,
 };
 use crate::remote::{Grant, GrantAccess, LocalRegion, RemoteRegion};
 use crate::verbs::cm::CmId;
@@ -209,7 +229,10 @@ impl MessageConfig {
     /// The pool receive buffers and rendezvous destinations come from
     /// (default: one pool per device with [`PoolConfig::default`], shared by
     /// every endpoint on it: [`MessageEndpoint::pool`] returns it). Must be
-    /// on the device the connection runs on.
+    /// on the device the connection runs on. On a device without memory
+    /// windows (iWARP) each connection gets a pool of its own on its own
+    /// protection domain, with this pool's settings (see the
+    /// [module docs](self), "iWARP").
     pub fn pool(mut self, pool: MemoryPool) -> Self {
         self.pool = Some(pool);
         self
@@ -374,9 +397,13 @@ impl Setup for MessageSetup {
                 + u32::from(REMOTE_SLOTS),
             recv_depth: r.recv_queue_depth.into(),
             max_inline: r.inline_threshold,
-            own_pd_without_windows: false,
+            // Without windows, a rendezvous source, a READ's sink and a
+            // grant are opened by keys of memory regions registered on
+            // this PD, which reach nothing from another connection's QP.
+            own_pd_without_windows: true,
             share_cq: r.share_completion_queue,
             imm_in_send_without_immediate: false,
+            trailer_without_immediate: true,
         }
     }
 
@@ -385,23 +412,31 @@ impl Setup for MessageSetup {
     }
 
     async fn prepare(&self, device: &Arc<OpenDevice>, qp: RcQueuePair) -> Result<PreparedQp> {
-        if !device.has_memory_windows() {
-            return Err(Error::NoMemoryWindows {
-                device: device.name.clone(),
-            });
-        }
-        let pool = match &self.0.pool {
-            Some(p) => {
-                if !p.is_on_device(device) {
-                    return Err(Error::InvalidConfig {
-                        field: "pool",
-                        value: 0,
-                        allowed: "a MemoryPool on the connection's device",
-                    });
+        let pool = if qp.has_own_pd() {
+            // A device without memory windows: the QP is on a PD of its
+            // own, and so is the memory its SGEs name. The connection
+            // gets a pool of its own on that PD (with the configured
+            // pool's sizes); a message in other memory is copied into it
+            // when sent ([`MessageEndpoint::send`]).
+            let config = match &self.0.pool {
+                Some(p) => p.config().clone(),
+                None => PoolConfig::default(),
+            };
+            MemoryPool::for_connection_pd(Arc::clone(device), Arc::clone(qp.pd()), config)?
+        } else {
+            match &self.0.pool {
+                Some(p) => {
+                    if !p.is_on_device(device) {
+                        return Err(Error::InvalidConfig {
+                            field: "pool",
+                            value: 0,
+                            allowed: "a MemoryPool on the connection's device",
+                        });
+                    }
+                    p.clone()
                 }
-                p.clone()
+                None => device_pool(device)?,
             }
-            None => device_pool(device)?,
         };
         let len = self.0.eager_buf_len as usize;
         if pool.class_size(len).is_err() {
@@ -453,10 +488,21 @@ impl Setup for MessageSetup {
     }
 
     fn finish(&self, est: Established<PreparedQp>) -> Result<(Handle<MsgState>, MemoryPool)> {
+        let trailer = est.qp.qp.trailer();
         let max_inline = est.qp.qp.qp_ref().max_inline();
+        // Without immediate data an inline EAGER carries its 4-byte
+        // trailer too.
+        let max_inline = if trailer {
+            max_inline.saturating_sub(TRAILER_LEN as u32)
+        } else {
+            max_inline
+        };
         let mut params = self
             .0
             .params(est.peer.ring_len, est.peer.recv_depth, max_inline);
+        if trailer {
+            params = params.with_trailer();
+        }
         // Limits that bind both sides: the smaller of the two, so neither
         // side sends what the other refuses.
         params.max_message_len = params.max_message_len.min(est.peer.max_message_len);
@@ -478,6 +524,8 @@ impl Setup for MessageSetup {
 pub struct MessageEndpoint {
     conn: Handle<MsgState>,
     pool: MemoryPool,
+    /// The QP is on a PD of its own (a device without memory windows).
+    own_pd: bool,
 }
 
 impl std::fmt::Debug for MessageEndpoint {
@@ -495,11 +543,17 @@ impl Clone for MessageEndpoint {
         MessageEndpoint {
             conn: self.conn.another(),
             pool: self.pool.clone(),
+            own_pd: self.own_pd,
         }
     }
 }
 
 impl MessageEndpoint {
+    fn new(conn: Handle<MsgState>, pool: MemoryPool) -> MessageEndpoint {
+        let own_pd = conn.own_pd();
+        MessageEndpoint { conn, pool, own_pd }
+    }
+
     /// Connects to a [`MessageListener`] at `addr` with the default
     /// [`MessageConfig`].
     ///
@@ -519,7 +573,7 @@ impl MessageEndpoint {
     ) -> io::Result<MessageEndpoint> {
         config.validate()?;
         let (conn, pool) = crate::conn::connect_any(addr, &MessageSetup(config.clone())).await?;
-        Ok(MessageEndpoint { conn, pool })
+        Ok(MessageEndpoint::new(conn, pool))
     }
 
     /// Queues `msg` for sending, without copying its payload: the NIC reads
@@ -559,8 +613,17 @@ impl MessageEndpoint {
 
     /// A rendezvous needs a memory window, which read-only memory (a
     /// `register_static` region in `.rodata`) cannot take: such a message,
-    /// when too large to go eagerly, is copied into a pool buffer once.
+    /// when too large to go eagerly, is copied into a pool buffer once. On
+    /// a device without windows the QP is on a PD of its own: an eager
+    /// message not in this endpoint's own pool (on that PD) is copied
+    /// into it, while a rendezvous source is reached through a
+    /// registration of its own, wherever it lies.
     fn needs_copy(&self, msg: &OutgoingMessage) -> bool {
+        if self.own_pd {
+            return !msg.is_empty()
+                && msg.len() <= self.conn.eager_max()
+                && !self.pool.owns(msg.as_slice().as_ptr(), msg.len());
+        }
         !msg.can_bind_windows() && msg.len() > self.conn.eager_max()
     }
 
@@ -959,7 +1022,7 @@ impl MessageListener {
     pub async fn accept(&self) -> io::Result<(MessageEndpoint, SocketAddr)> {
         std::future::poll_fn(|cx| self.inner.poll_accept(cx))
             .await
-            .map(|((conn, pool), a)| (MessageEndpoint { conn, pool }, a))
+            .map(|((conn, pool), a)| (MessageEndpoint::new(conn, pool), a))
     }
 
     /// The bound address, with the actual port.

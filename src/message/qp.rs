@@ -20,13 +20,16 @@ use std::task::{Context, Poll, Waker};
 
 use crate::error::{Error, Result};
 use crate::pool::{OutgoingMessage, PoolBuf};
-use crate::proto::message::{MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN, RtsHeader};
+use crate::proto::message::{
+    MessageError, MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN, RtsHeader, TRAILER_LEN,
+    encode_trailer, split_trailer,
+};
 use crate::remote::{GrantAccess, LocalRegion};
 use crate::verbs::ledger::{Ledger, PostedOp};
 use crate::verbs::mw::{MemoryWindow, WindowAccess};
 use crate::verbs::rc::{
-    BindTarget, MrAccess, RcQueuePair, RegisteredBuffer, SendOp, SendPayload, SendWr, Sge,
-    WcStatus, Work,
+    BindTarget, MemoryRegistration, MrAccess, RcQueuePair, RegisteredBuffer, SendOp, SendPayload,
+    SendWr, Sge, WcStatus, Work,
 };
 
 /// Send-queue slots kept for remote-memory work (one-sided operations,
@@ -65,6 +68,11 @@ pub(crate) struct MessageQp {
     /// Windows bound for grants (`crate::remote`), by grant id: dropped
     /// (deallocated, so their keys die) before the QP and the regions.
     grant_windows: HashMap<u64, MemoryWindow>,
+    /// Without memory windows (a QP on a PD of its own): the memory
+    /// regions whose keys the peer learns, each over exactly the bytes it
+    /// may reach. Dropped (deregistered, so their keys die) before the QP
+    /// and before any memory under them is freed.
+    scoped: ScopedKeys,
     qp: RcQueuePair,
     /// Posted send-queue WRs not known complete, and what the runtime gave
     /// up while one of them still names it (after the QP: freed once it is
@@ -74,6 +82,12 @@ pub(crate) struct MessageQp {
     /// per send-queue slot); `None` when every RTS goes inline. Held for
     /// the QP's life (after it: deregistered once the QP is destroyed).
     rts_scratch: Option<RegisteredBuffer>,
+    /// A device without immediate data: every message is a SEND ending in
+    /// the 4-byte trailer of its immediate (`proto::message`, "On a
+    /// device without immediate data"). The trailers of SENDs whose
+    /// payload is not inline are read from this scratch (4 bytes per
+    /// send-queue slot, on the QP's PD, held for the QP's life).
+    trailer_scratch: Option<RegisteredBuffer>,
     send_depth: u64,
     /// Posted receive buffers by token.
     recv: HashMap<u64, PoolBuf>,
@@ -102,6 +116,28 @@ pub(crate) struct MessageQp {
     forged_rts: HashMap<u64, u32>,
 }
 
+/// The memory regions of a QP on a PD of its own (a device without
+/// memory windows) whose keys reach the peer: each is registered over
+/// exactly what the peer may touch, on the connection's own PD (so its
+/// key opens nothing through any other QP), and deregistered as soon as
+/// the peer is done with it.
+#[derive(Default)]
+struct ScopedKeys {
+    /// Rendezvous sources by message token: `REMOTE_READ` over exactly
+    /// the message, from its RTS until the peer's DONE (or an abort).
+    sources: HashMap<u64, MemoryRegistration>,
+    /// RDMA READ sinks by destination token: `LOCAL_WRITE | REMOTE_WRITE`
+    /// over exactly the destination (iWARP's READ response is a tagged
+    /// write to the sink's key, RFC 5040 section 4.4), until every READ
+    /// into it completed.
+    sinks: HashMap<u64, MemoryRegistration>,
+    /// Grants by grant id: exactly the granted bytes and rights, until
+    /// revoked.
+    grants: HashMap<u64, MemoryRegistration>,
+    /// Registrations made over the QP's life (sources, sinks and grants).
+    registrations: u64,
+}
+
 /// One remote-memory WR in flight.
 struct RemoteOp {
     /// What it is.
@@ -115,6 +151,10 @@ struct RemoteOp {
     local: Option<PoolBuf>,
     /// Its future was dropped: nobody takes the result.
     abandoned: bool,
+    /// Without memory windows, an RDMA READ's sink registration over
+    /// exactly `local` (see [`ScopedKeys::sinks`]): kept until the
+    /// completion, even once the future was dropped.
+    sink: Option<MemoryRegistration>,
 }
 
 /// What a remote-memory WR does.
@@ -205,18 +245,28 @@ impl MessageQp {
     /// As [`RcQueuePair::register_buffer`] ([`Error::ResourceLimit`] at
     /// RLIMIT_MEMLOCK).
     pub(crate) fn new(qp: RcQueuePair, send_depth: u16, rts_inline: bool) -> Result<Self> {
-        let rts_scratch = if rts_inline {
+        let slots = usize::from(send_depth.max(1));
+        // Without immediate data an RTS and its trailer always go inline
+        // (the QP was created with at least 24 bytes of inline data).
+        let trailer = !qp.device().immediate_data;
+        let rts_scratch = if rts_inline || trailer {
             None
         } else {
-            let len = usize::from(send_depth.max(1)) * RTS_SLOT;
-            Some(qp.register_buffer(len, MrAccess::LocalWrite)?)
+            Some(qp.register_buffer(slots * RTS_SLOT, MrAccess::LocalWrite)?)
+        };
+        let trailer_scratch = if trailer {
+            Some(qp.register_buffer(slots * TRAILER_LEN, MrAccess::LocalWrite)?)
+        } else {
+            None
         };
         Ok(MessageQp {
             windows: Windows::default(),
             grant_windows: HashMap::new(),
+            scoped: ScopedKeys::default(),
             qp,
             ledger: Ledger::default(),
             rts_scratch,
+            trailer_scratch,
             send_depth: u64::from(send_depth.max(1)),
             recv: HashMap::new(),
             dests: HashMap::new(),
@@ -235,6 +285,45 @@ impl MessageQp {
 
     pub(crate) fn qp_ref(&self) -> &RcQueuePair {
         &self.qp
+    }
+
+    /// Whether every message is a SEND ending in its immediate's trailer
+    /// (a device without immediate data).
+    pub(crate) fn trailer(&self) -> bool {
+        self.trailer_scratch.is_some()
+    }
+
+    /// Memory regions registered for the peer's keys over the QP's life
+    /// (rendezvous sources, READ sinks and grants on a device without
+    /// memory windows; 0 elsewhere).
+    pub(crate) fn scoped_registrations(&self) -> u64 {
+        self.scoped.registrations
+    }
+
+    /// Such registrations alive now (each deregistered once the peer is
+    /// done with it).
+    pub(crate) fn scoped_live(&self) -> usize {
+        self.scoped.sources.len() + self.scoped.sinks.len() + self.scoped.grants.len()
+    }
+
+    /// Registers exactly `len` bytes at `addr` with `access` on the QP's
+    /// own PD, counted.
+    ///
+    /// # Safety
+    /// As [`RcQueuePair::register_scoped`]: the memory stays valid until
+    /// the registration is dropped.
+    unsafe fn register_scoped(
+        &mut self,
+        addr: u64,
+        len: u64,
+        access: MrAccess,
+    ) -> Result<MemoryRegistration> {
+        let len = usize::try_from(len).map_err(|_| internal(format!("{len} bytes")))?;
+        // SAFETY: forwarded to the caller.
+        let mr = unsafe { self.qp.register_scoped(addr, len, access) }?
+            .ok_or_else(|| internal("a peer's key on a QP on the device's shared PD".into()))?;
+        self.scoped.registrations += 1;
+        Ok(mr)
     }
 
     /// Posts receive buffers (their whole capacity), keeping them until
@@ -270,23 +359,73 @@ impl MessageQp {
         Some((token, buf))
     }
 
-    /// Keeps `buf` as destination `token` for READs.
-    pub(crate) fn add_dest(&mut self, token: u64, buf: PoolBuf) {
+    /// The buffer of the completed receive WR of `token` that carried a
+    /// SEND of `byte_len` bytes, and the message's immediate and length:
+    /// without immediate data, split off the SEND's last 4 bytes (the
+    /// buffer's length is then the payload's); otherwise `imm` as the
+    /// completion gave it. `None` for an unknown token.
+    ///
+    /// # Errors
+    /// [`MessageError::MissingTrailer`] for a SEND too short to carry a
+    /// trailer (the buffer is dropped: it is no longer posted).
+    pub(crate) fn take_recv_message(
+        &mut self,
+        token: u64,
+        imm: u32,
+        byte_len: u32,
+    ) -> Option<std::result::Result<(PoolBuf, u32, u32), MessageError>> {
+        let (_, mut buf) = self.take_recv(token, byte_len)?;
+        if !self.trailer() {
+            return Some(Ok((buf, imm, byte_len)));
+        }
+        Some(split_trailer(byte_len, buf.as_slice()).map(|(imm, len)| {
+            buf.set_len(len as usize);
+            (buf, imm, len)
+        }))
+    }
+
+    /// Keeps `buf` as destination `token` for READs. Without memory
+    /// windows its whole capacity is registered as the READs' sink (see
+    /// [`ScopedKeys::sinks`]).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] when that registration fails (`buf` is dropped).
+    pub(crate) fn add_dest(&mut self, token: u64, buf: PoolBuf) -> Result<()> {
+        if self.qp.has_own_pd() {
+            // SAFETY: `buf` is held in `self.dests` (or by the ledger,
+            // pinned while a READ into it is outstanding) until the sink
+            // is dropped: `take_dest` and `release_dest` drop the sink
+            // first, and `scoped` drops before `dests` and the ledger.
+            let mr = unsafe {
+                self.register_scoped(
+                    buf.addr(),
+                    buf.capacity() as u64,
+                    MrAccess::LocalWriteRemoteWrite,
+                )
+            }?;
+            self.scoped.sinks.insert(token, mr);
+        }
         self.dests.insert(token, buf);
+        Ok(())
     }
 
     /// The destination `token` with every READ into it complete; `None` if
-    /// unknown or a READ into it is outstanding.
+    /// unknown or a READ into it is outstanding. Its sink registration, if
+    /// any, is dropped first.
     pub(crate) fn take_dest(&mut self, token: u64) -> Option<PoolBuf> {
         if self.ledger.pinned(token) {
             return None;
         }
+        self.scoped.sinks.remove(&token);
         self.dests.remove(&token)
     }
 
     /// Frees destination `token` now, or (through the ledger) once the
-    /// READs into it completed or were flushed.
+    /// READs into it completed or were flushed. Its sink registration is
+    /// dropped now: a READ response still on its way then fails (the
+    /// connection is being aborted) rather than write the freed buffer.
     pub(crate) fn release_dest(&mut self, token: u64) {
+        self.scoped.sinks.remove(&token);
         if let Some(buf) = self.dests.remove(&token) {
             drop(self.ledger.release(token, Held::Dest(buf)));
         }
@@ -319,6 +458,11 @@ impl MessageQp {
     pub(crate) fn release_send(&mut self, token: u64) -> bool {
         if !self.sending.contains_key(&token) {
             return false;
+        }
+        // Without windows: the source's key dies now (deregistered before
+        // its memory can be freed).
+        if let Some(mr) = self.scoped.sources.remove(&token) {
+            tracing::trace!(token, rkey = mr.rkey(), "rendezvous source deregistered");
         }
         if self.windows.bound.contains_key(&token) {
             self.windows.to_invalidate.push(token);
@@ -354,7 +498,8 @@ impl MessageQp {
         self.windows.free.len() + self.windows.bound.len() + self.windows.invalidating.len()
     }
 
-    /// The last window bound: (address, length, key) (for the guest tests).
+    /// The last window bound, or without windows the last rendezvous
+    /// source registered: (address, length, key) (for the guest tests).
     #[cfg_attr(not(tokio_rdma_guest), allow(dead_code))]
     pub(crate) fn last_window(&self) -> Option<(u64, u64, u32)> {
         self.windows.last
@@ -451,6 +596,21 @@ impl MessageQp {
             let Some(msg) = self.sending.get(&token) else {
                 return Err(internal(format!("an RTS of unknown message {token}")));
             };
+            if self.qp.has_own_pd() {
+                // No windows: a memory region over exactly the message,
+                // remote read only, on this connection's own PD.
+                debug_assert_eq!((addr, len), (msg.addr(), msg.len() as u64));
+                // SAFETY: the message is held in `self.sending` until
+                // `release_send`, which drops this registration first;
+                // `scoped` drops before `sending` and the ledger.
+                let mr = unsafe { self.register_scoped(addr, len, MrAccess::RemoteRead) }?;
+                let rkey = mr.rkey();
+                tracing::trace!(token, addr, len, rkey, "rendezvous source registered");
+                self.scoped.sources.insert(token, mr);
+                self.windows.last = Some((addr, len, rkey));
+                headers.push(RtsHeader { len, addr, rkey }.encode());
+                continue;
+            }
             let mr = msg.raw_mr();
             if mr == 0 {
                 return Err(internal(format!(
@@ -500,6 +660,10 @@ impl MessageQp {
     pub(crate) fn post(&mut self, batch: &[MsgTransmit]) -> Result<()> {
         let headers = self.prepare_windows(batch)?;
         let mut headers = headers.iter();
+        // Where READ completions may overtake later WRs' (siw), every WR
+        // after an outstanding READ is fenced behind it.
+        let fence_after_read = self.qp.device().fence_after_read;
+        let mut read_before = fence_after_read && self.ledger.reads_outstanding();
         let mut wrs = Vec::with_capacity(batch.len());
         let mut records = Vec::with_capacity(batch.len());
         let mut last_sge = None;
@@ -533,12 +697,30 @@ impl MessageQp {
                         last_sge = Some(sge);
                         (SendPayload::Sge(sge), Some(token))
                     };
-                    ((SendOp::SendImm { payload, imm }, PostedOp::Send), pin)
+                    let op = match self.trailer_scratch.as_mut() {
+                        Some(scratch) => with_trailer(payload, imm, t.wr_id, scratch)?,
+                        None => SendOp::SendImm { payload, imm },
+                    };
+                    ((op, PostedOp::Send), pin)
                 }
                 MsgTransmitKind::Rts { imm, inline, .. } => {
                     let header = headers
                         .next()
                         .ok_or_else(|| internal("RTS without a prepared header".into()))?;
+                    if let Some(scratch) = self.trailer_scratch.as_mut() {
+                        // Header and trailer inline (24 bytes; the QP was
+                        // created with at least that much inline data).
+                        let op = with_trailer(SendPayload::Inline(header), *imm, t.wr_id, scratch)?;
+                        wrs.push(SendWr {
+                            wr_id: Work::Core(t.wr_id).wr_id(),
+                            signaled: t.signaled,
+                            solicited: t.solicited,
+                            fence: read_before,
+                            op,
+                        });
+                        records.push((Work::Core(t.wr_id).wr_id(), PostedOp::Send, None));
+                        continue;
+                    }
                     let payload = if *inline {
                         SendPayload::Inline(header)
                     } else {
@@ -567,9 +749,12 @@ impl MessageQp {
                     ((op, PostedOp::Send), None)
                 }
                 &MsgTransmitKind::Control { imm } => {
-                    let op = SendOp::SendImm {
-                        payload: SendPayload::None,
-                        imm,
+                    let op = match self.trailer_scratch.as_mut() {
+                        Some(scratch) => with_trailer(SendPayload::None, imm, t.wr_id, scratch)?,
+                        None => SendOp::SendImm {
+                            payload: SendPayload::None,
+                            imm,
+                        },
                     };
                     ((op, PostedOp::Send), None)
                 }
@@ -591,10 +776,16 @@ impl MessageQp {
                             dest.capacity()
                         )));
                     }
+                    // Without windows, the sink registered over exactly
+                    // this destination (`add_dest`).
+                    let lkey = match self.scoped.sinks.get(&local_token) {
+                        Some(sink) => sink.lkey(),
+                        None => dest.lkey(),
+                    };
                     let local = Sge {
                         addr: dest.addr() + local_offset,
                         len,
-                        lkey: dest.lkey(),
+                        lkey,
                     };
                     last_sge = Some(local);
                     let op = SendOp::Read {
@@ -608,12 +799,15 @@ impl MessageQp {
             let (op, posted) = op;
             // The core's numbers are the wr_ids of its WRs.
             let wr_id = Work::Core(t.wr_id).wr_id();
+            let is_read = posted == PostedOp::Read;
             wrs.push(SendWr {
                 wr_id,
                 signaled: t.signaled,
                 solicited: t.solicited,
+                fence: read_before && !is_read,
                 op,
             });
+            read_before |= is_read && fence_after_read;
             records.push((wr_id, posted, pin));
         }
         // SAFETY: every SGE names registered memory on this QP's PD that
@@ -637,6 +831,45 @@ impl MessageQp {
     }
 }
 
+/// The SEND of a message with immediate `imm` on a device without
+/// immediate data: `payload` followed by the 4-byte trailer carrying
+/// `imm`, inline when the payload is (or empty), from the trailer's slot
+/// of `scratch` (slot `wr_id % slots`: at most that many core WRs are
+/// posted at once and their numbers are consecutive) when it is read from
+/// registered memory.
+fn with_trailer<'a>(
+    payload: SendPayload<'a>,
+    imm: u32,
+    wr_id: u64,
+    scratch: &mut RegisteredBuffer,
+) -> Result<SendOp<'a>> {
+    let trailer = encode_trailer(imm);
+    let payload = match payload {
+        SendPayload::None => SendPayload::InlineTrailer(&[], trailer),
+        SendPayload::Inline(data) => SendPayload::InlineTrailer(data, trailer),
+        SendPayload::Sge(sge) => {
+            let slots = (scratch.len() / TRAILER_LEN) as u64;
+            let off = (wr_id % slots.max(1)) as usize * TRAILER_LEN;
+            scratch
+                .write_at(off, &trailer)
+                .map_err(|source| Error::Verbs {
+                    op: "trailer scratch",
+                    source,
+                })?;
+            SendPayload::SgeTrailer(
+                sge,
+                Sge {
+                    addr: scratch.addr() + off as u64,
+                    len: TRAILER_LEN as u32,
+                    lkey: scratch.lkey(),
+                },
+            )
+        }
+        other => return Err(internal(format!("a message payload {other:?}"))),
+    };
+    Ok(SendOp::Send { payload })
+}
+
 /// Remote memory (`crate::remote`): one-sided operations posted on this
 /// QP with a local pool buffer each, and grants (type-2 windows bound on
 /// this QP over a region). A buffer stays with its operation while the
@@ -655,9 +888,10 @@ impl MessageQp {
         self.remote.len()
     }
 
-    /// Grants whose window is bound now.
+    /// Grants whose window is bound (or, without windows, whose memory
+    /// region is registered) now.
     pub(crate) fn grants_held(&self) -> usize {
-        self.grant_windows.len()
+        self.grant_windows.len() + self.scoped.grants.len()
     }
 
     /// Ready once fewer than [`REMOTE_SLOTS`] remote WRs are in flight;
@@ -694,6 +928,7 @@ impl MessageQp {
                 waker: None,
                 local,
                 abandoned: false,
+                sink: None,
             },
         );
     }
@@ -722,10 +957,25 @@ impl MessageQp {
                 local.capacity()
             )));
         }
+        // Without windows, a READ's sink is registered over exactly the
+        // bytes it lands in (see `ScopedKeys::sinks`), kept with the
+        // operation until its completion.
+        let sink = match wr {
+            RemoteWr::Read { .. } if self.qp.has_own_pd() => {
+                // SAFETY: `local` is held by this operation's entry (or
+                // by the ledger once its future is dropped) until the
+                // completion, and `remote_completed` drops the sink
+                // before either lets it go.
+                Some(unsafe {
+                    self.register_scoped(local.addr(), need as u64, MrAccess::LocalWriteRemoteWrite)
+                }?)
+            }
+            _ => None,
+        };
         let sge = Sge {
             addr: local.addr(),
             len: need as u32,
-            lkey: local.lkey(),
+            lkey: sink.as_ref().map_or(local.lkey(), |m| m.lkey()),
         };
         let (op, posted) = match wr {
             RemoteWr::Read { addr, rkey, .. } => (
@@ -770,10 +1020,14 @@ impl MessageQp {
             ),
         };
         let wr_id = self.remote_wr_id();
+        let fence = posted != PostedOp::Read
+            && self.qp.device().fence_after_read
+            && self.ledger.reads_outstanding();
         let wrs = [SendWr {
             wr_id,
             signaled: true,
             solicited: false,
+            fence,
             op,
         }];
         // SAFETY: the SGE names `local`, a pool buffer registered with
@@ -787,6 +1041,9 @@ impl MessageQp {
         unsafe { self.qp.post_send_batch(&wrs) }?;
         self.ledger.record(wr_id, posted, Some(wr_id));
         self.insert_remote(wr_id, RemoteKind::Op, Some(local));
+        if let Some(op) = self.remote.get_mut(&wr_id) {
+            op.sink = sink;
+        }
         Ok(wr_id)
     }
 
@@ -850,6 +1107,10 @@ impl MessageQp {
     /// error) is deallocated and its region let go, and the waiting future
     /// is woken.
     pub(crate) fn remote_completed(&mut self, wr_id: u64, status: WcStatus) {
+        // A READ's sink key dies before its buffer can be let go.
+        if let Some(op) = self.remote.get_mut(&wr_id) {
+            drop(op.sink.take());
+        }
         self.ledger.complete(wr_id);
         let Some(op) = self.remote.get_mut(&wr_id) else {
             return;
@@ -875,6 +1136,7 @@ impl MessageQp {
     /// then on), then lets its region go.
     fn drop_grant(&mut self, grant: u64) {
         drop(self.grant_windows.remove(&grant));
+        drop(self.scoped.grants.remove(&grant));
         self.grant_regions.remove(&grant);
     }
 
@@ -897,13 +1159,16 @@ impl MessageQp {
         if access.atomic {
             self.qp.device().check_atomics()?;
         }
-        if self.grant_windows.len() >= MAX_GRANTS {
+        if self.grants_held() >= MAX_GRANTS {
             return Err(Error::ResourceLimit {
                 resource: crate::error::Resource::MemoryWindows,
                 limit: Some(MAX_GRANTS as u64),
                 op: "grant (per-connection quota of memory windows)",
                 source: std::io::Error::from_raw_os_error(libc::ENOMEM),
             });
+        }
+        if self.qp.has_own_pd() {
+            return self.register_grant(region, offset, len, access);
         }
         let mr = region.raw_mr();
         if mr == 0 {
@@ -942,6 +1207,39 @@ impl MessageQp {
         Ok((wr_id, rkey))
     }
 
+    /// A grant without memory windows: a memory region over exactly the
+    /// granted bytes with exactly the granted rights on this connection's
+    /// own PD (no WR posted). The grant is complete at once: its id is
+    /// entered as a bind that succeeded, for the caller's wait.
+    fn register_grant(
+        &mut self,
+        region: &LocalRegion,
+        offset: u64,
+        len: u64,
+        access: GrantAccess,
+    ) -> Result<(u64, u32)> {
+        let addr = region.addr() + offset;
+        let access = MrAccess::Grant {
+            read: access.read,
+            write: access.write,
+            atomic: access.atomic,
+        };
+        // SAFETY: the region is kept in `self.grant_regions` until the
+        // registration is dropped (`drop_grant` drops it first; `scoped`
+        // drops before `grant_regions`), and the range lies inside it
+        // (the caller checked it).
+        let mr = unsafe { self.register_scoped(addr, len, access) }?;
+        let grant = self.remote_wr_id();
+        let rkey = mr.rkey();
+        self.scoped.grants.insert(grant, mr);
+        self.grant_regions.insert(grant, (region.clone(), len));
+        self.insert_remote(grant, RemoteKind::Bind { grant }, None);
+        if let Some(op) = self.remote.get_mut(&grant) {
+            op.status = Some(WcStatus::Success);
+        }
+        Ok((grant, rkey))
+    }
+
     /// Posts the invalidation of grant `grant`'s window (signaled) and
     /// returns its wr_id; `None` when the grant's window is already gone.
     /// With `abandoned`, nobody waits for it (a dropped `Grant`): with
@@ -952,6 +1250,11 @@ impl MessageQp {
     /// # Errors
     /// [`Error::Verbs`] if the LOCAL_INV cannot be posted.
     pub(crate) fn revoke_grant(&mut self, grant: u64, abandoned: bool) -> Result<Option<u64>> {
+        if self.scoped.grants.contains_key(&grant) {
+            // No window: deregistering the region kills its key now.
+            self.drop_grant(grant);
+            return Ok(None);
+        }
         let Some(window) = self.grant_windows.get(&grant) else {
             return Ok(None);
         };

@@ -331,6 +331,7 @@ impl MemoryPool {
         let mut pool = Self::with_registrar(
             VerbsRegistrar {
                 device: Arc::clone(&device),
+                pd: None,
             },
             config,
         )?;
@@ -338,6 +339,24 @@ impl MemoryPool {
             inner.device = Some(device);
         }
         Ok(pool)
+    }
+
+    /// A pool registering its slabs on `pd`, one connection's PD of its own
+    /// on `device` (a message endpoint on a device without memory windows:
+    /// its SGEs need keys of that PD). It is not on the device's shared
+    /// PD: [`is_on_device`](Self::is_on_device) is false.
+    pub(crate) fn for_connection_pd(
+        device: Arc<crate::verbs::rc::OpenDevice>,
+        pd: Arc<sideway::ibverbs::protection_domain::ProtectionDomain>,
+        config: PoolConfig,
+    ) -> Result<MemoryPool, PoolError> {
+        Self::with_registrar(
+            VerbsRegistrar {
+                device,
+                pd: Some(pd),
+            },
+            config,
+        )
     }
 
     /// Whether the pool registers on `device`'s protection domain.

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use crate::error::PoolError;
 use crate::verbs::rc::{MemoryRegistration, MrAccess, OpenDevice};
+use sideway::ibverbs::protection_domain::ProtectionDomain;
 
 /// What the local NIC may do with registered memory. Neither grants a peer
 /// anything: remote access goes through per-message memory windows.
@@ -99,6 +100,9 @@ pub(crate) fn mr_access(access: Access, memory_windows: bool) -> MrAccess {
 /// verbs layer).
 pub(crate) struct VerbsRegistrar {
     pub(crate) device: Arc<OpenDevice>,
+    /// A PD of one connection's own (a message endpoint on a device
+    /// without memory windows) instead of the device's shared one.
+    pub(crate) pd: Option<Arc<ProtectionDomain>>,
 }
 
 impl Registration for MemoryRegistration {
@@ -123,6 +127,15 @@ impl Registrar for VerbsRegistrar {
         len: usize,
         access: Access,
     ) -> Result<Box<dyn Registration>, PoolError> {
+        if let Some(pd) = &self.pd {
+            // Local access only: no window can be bound on a PD of one
+            // connection's own (such a device has none).
+            let access = mr_access(access, false);
+            // SAFETY: as below.
+            let mr = unsafe { MemoryRegistration::on_pd(&self.device, pd, ptr, len, access) }
+                .map_err(|source| PoolError::Registration { len, source })?;
+            return Ok(Box::new(mr));
+        }
         let access = mr_access(access, self.device.has_memory_windows());
         // SAFETY: the caller of `register` gives the same guarantee that
         // `MemoryRegistration::new` needs (memory valid until dropped).

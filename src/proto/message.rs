@@ -25,6 +25,13 @@
 //! | `101`       | CLOSE  | must be 0                                     | none                      |
 //! | `110..111`  | —      | unknown: a protocol error                     |                           |
 //!
+//! On a device without immediate data (iWARP, RFC 5040) every message is
+//! a plain SEND whose last [`TRAILER_LEN`] (4) bytes carry the immediate,
+//! big-endian ([`encode_trailer`], [`split_trailer`]): the payload then
+//! ends 4 bytes earlier, so `eager_max` is 4 less than the buffers, and a
+//! SEND shorter than the trailer is [`MessageError::MissingTrailer`].
+//! Everything else is the same on every transport.
+//!
 //! A message of at most `eager_max` bytes goes EAGER (inline when at most
 //! `inline_threshold` bytes). A larger one goes by rendezvous: the sender
 //! posts an RTS naming its registered buffer; the receiver asks the runtime
@@ -445,6 +452,13 @@ pub enum MessageError {
         /// The token offered.
         token: u64,
     },
+    /// On a device without immediate data: a SEND too short to carry the
+    /// 4-byte trailer that carries its immediate (split off by the runtime).
+    #[error("SEND of {byte_len} bytes without the 4-byte trailer of its immediate")]
+    MissingTrailer {
+        /// The completion's byte length.
+        byte_len: u32,
+    },
     /// A `MessageParams` field is out of range.
     #[error("invalid message parameter {name} = {value}: {allowed}")]
     InvalidParams {
@@ -464,7 +478,7 @@ impl MessageError {
     /// `BadSequence` 8, `UnexpectedDone` 9, `UnexpectedPayload` 10,
     /// `CreditOverflow` 11, `RecvOverrun` 12, `MessageAfterAbort` 13,
     /// `UnknownWrId` 14, `NoDestinationRequested` 15, `InvalidParams` 16,
-    /// `MessageAfterClose` 17.
+    /// `MessageAfterClose` 17, `MissingTrailer` 18.
     /// Code 0 is `ABORT_CODE_APPLICATION`.
     pub fn abort_code(&self) -> u32 {
         match self {
@@ -485,12 +499,13 @@ impl MessageError {
             MessageError::NoDestinationRequested { .. } => 15,
             MessageError::InvalidParams { .. } => 16,
             MessageError::MessageAfterClose { .. } => 17,
+            MessageError::MissingTrailer { .. } => 18,
         }
     }
 }
 
 /// What an ABORT code means: `"application"` for 0, the
-/// [`MessageError`] variant's description for 1..=17 (see
+/// [`MessageError`] variant's description for 1..=18 (see
 /// [`MessageError::abort_code`]), `"unknown"` otherwise.
 pub fn abort_code_reason(code: u32) -> &'static str {
     match code {
@@ -512,8 +527,39 @@ pub fn abort_code_reason(code: u32) -> &'static str {
         15 => "destination not requested",
         16 => "invalid parameters",
         17 => "message after close",
+        18 => "SEND without its immediate's trailer",
         _ => "unknown",
     }
+}
+
+/// Bytes at the end of every SEND that carry its immediate on a device
+/// without immediate data (see the [module docs](self)): 4.
+pub const TRAILER_LEN: usize = 4;
+
+/// The trailer carrying `imm` (big-endian, as the wire carries immediate
+/// data).
+pub fn encode_trailer(imm: u32) -> [u8; TRAILER_LEN] {
+    imm.to_be_bytes()
+}
+
+/// Splits a SEND of `byte_len` bytes that landed in `received` (the
+/// receive buffer, at least `byte_len` bytes of it readable) into its
+/// immediate and its payload's length (`byte_len - 4`).
+///
+/// # Errors
+/// [`MessageError::MissingTrailer`] when `byte_len` is below 4 or beyond
+/// `received`.
+pub fn split_trailer(byte_len: u32, received: &[u8]) -> Result<(u32, u32), MessageError> {
+    let missing = MessageError::MissingTrailer { byte_len };
+    let len = byte_len
+        .checked_sub(TRAILER_LEN as u32)
+        .ok_or_else(|| missing.clone())?;
+    let tail = received
+        .get(len as usize..byte_len as usize)
+        .ok_or(missing)?;
+    let mut imm = [0u8; TRAILER_LEN];
+    imm.copy_from_slice(tail);
+    Ok((u32::from_be_bytes(imm), len))
 }
 
 /// Why [`MessageCore::send`] refuses a message.
@@ -586,6 +632,20 @@ pub struct MessageParams {
     /// Every `signal_interval`-th WR is signaled; at least 1. The last WR of
     /// a burst and every ABORT are signaled regardless.
     pub signal_interval: u16,
+}
+
+impl MessageParams {
+    /// These parameters on a device without immediate data, where every
+    /// SEND ends in the [`TRAILER_LEN`]-byte trailer of its immediate:
+    /// `eager_max` leaves room for it in both sides' receive buffers.
+    pub fn with_trailer(mut self) -> MessageParams {
+        let room = |n: u32| n.saturating_sub(TRAILER_LEN as u32);
+        self.eager_max = self
+            .eager_max
+            .min(room(self.eager_buf_len))
+            .min(room(self.peer_eager_buf_len));
+        self
+    }
 }
 
 /// What the sender wants to send: a buffer of the runtime's, named by token.
@@ -814,6 +874,15 @@ pub struct MessageStats {
     /// Memory windows the endpoint's QP holds now (free, bound, being
     /// invalidated; filled by the endpoint).
     pub windows_held: u64,
+    /// On a device without memory windows (iWARP): memory regions
+    /// registered on the connection's own PD over exactly what the peer
+    /// may reach (a rendezvous source, an RDMA READ's sink, a grant), over
+    /// the endpoint's life; 0 on a device with windows (filled by the
+    /// endpoint).
+    pub scoped_registrations: u64,
+    /// Such memory regions registered now; each is deregistered as soon
+    /// as the peer is done with it (filled by the endpoint).
+    pub scoped_keys_live: u64,
     /// Pool bytes this endpoint holds now for rendezvous destinations and
     /// received messages the application has not taken (what its quota
     /// bounds; filled by the endpoint).

@@ -18,7 +18,8 @@ use std::hash::{Hash, Hasher};
 use super::message::{
     CONTROL_RESERVE, Delivery, MAX_IMM_VALUE, MessageCore, MessageError, MessageParams,
     MessageStats, MsgEvent, MsgImm, MsgTransmit, MsgTransmitKind, OutboundMessage, RTS_HEADER_LEN,
-    RecvDisposition, RtsHeader, SendError, abort_code_reason,
+    RecvDisposition, RtsHeader, SendError, TRAILER_LEN, abort_code_reason, encode_trailer,
+    split_trailer,
 };
 
 // ----- deterministic randomness ---------------------------------------------
@@ -158,6 +159,12 @@ struct Side {
     grown: u64,
     /// This side posted its CLOSE.
     close_posted: bool,
+    /// A device without immediate data: every message this side receives
+    /// is a SEND ending in its immediate's trailer, which the runtime
+    /// splits off ([`split_trailer`]) before the core sees it.
+    trailer: bool,
+    /// This side's receive buffers, bytes (what a SEND may fill).
+    recv_buf_len: u32,
 }
 
 const A: usize = 0;
@@ -165,9 +172,20 @@ const B: usize = 1;
 
 impl Side {
     fn new(id: usize, local: Cfg, peer: Cfg) -> Side {
+        Side::framed(id, local, peer, false)
+    }
+
+    fn framed(id: usize, local: Cfg, peer: Cfg, trailer: bool) -> Side {
+        let params = if trailer {
+            params(local, peer).with_trailer()
+        } else {
+            params(local, peer)
+        };
         Side {
             id,
-            core: MessageCore::new(params(local, peer)).expect("valid params"),
+            trailer,
+            recv_buf_len: local.eager_buf_len,
+            core: MessageCore::new(params).expect("valid params"),
             bufs: BTreeMap::new(),
             next_token: 1,
             lens: Vec::new(),
@@ -183,6 +201,29 @@ impl Side {
             grown: 0,
             close_posted: false,
         }
+    }
+
+    /// What the receiving runtime hands the core for a SEND of `payload`
+    /// with immediate `imm`: on a device without immediate data the SEND
+    /// carries `payload` and the trailer, which must fit the receive
+    /// buffer and is split off again.
+    fn unframe(&self, imm: u32, payload: Vec<u8>) -> (u32, Vec<u8>) {
+        if !self.trailer {
+            return (imm, payload);
+        }
+        let mut wire = payload;
+        wire.extend_from_slice(&encode_trailer(imm));
+        assert!(
+            wire.len() <= self.recv_buf_len as usize,
+            "a SEND of {} bytes into a {}-byte receive buffer",
+            wire.len(),
+            self.recv_buf_len
+        );
+        let (got, len) = split_trailer(wire.len() as u32, &wire).expect("a trailer");
+        assert_eq!(got, imm);
+        assert_eq!(len as usize + TRAILER_LEN, wire.len());
+        wire.truncate(len as usize);
+        (got, wire)
     }
 
     fn new_token(&mut self) -> u64 {
@@ -361,6 +402,14 @@ impl Pair {
         }
     }
 
+    /// Two sides on a device without immediate data (every message a
+    /// SEND with the trailer of its immediate).
+    fn with_trailer(a: Cfg, b: Cfg) -> Pair {
+        Pair {
+            s: [Side::framed(A, a, b, true), Side::framed(B, b, a, true)],
+        }
+    }
+
     fn symmetric(cfg: Cfg) -> Pair {
         Pair::new(cfg, cfg)
     }
@@ -393,7 +442,8 @@ impl Pair {
             } => {
                 let payload = copied.unwrap_or_else(|| src.bufs[&token][..len as usize].to_vec());
                 let rb = dst.new_token();
-                let r = dst.core.on_recv(imm, len, rb, &payload);
+                let (imm, payload) = dst.unframe(imm, payload);
+                let r = dst.core.on_recv(imm, payload.len() as u32, rb, &payload);
                 if r == Ok(RecvDisposition::Keep) {
                     dst.bufs.insert(rb, payload);
                 }
@@ -401,12 +451,15 @@ impl Pair {
             }
             MsgTransmitKind::Rts { imm, .. } => {
                 let header = copied.expect("header");
+                assert_eq!(header.len(), RTS_HEADER_LEN);
                 let rb = dst.new_token();
-                dst.core.on_recv(imm, RTS_HEADER_LEN as u32, rb, &header)
+                let (imm, header) = dst.unframe(imm, header);
+                dst.core.on_recv(imm, header.len() as u32, rb, &header)
             }
             MsgTransmitKind::Control { imm } => {
                 let rb = dst.new_token();
-                dst.core.on_recv(imm, 0, rb, &[])
+                let (imm, payload) = dst.unframe(imm, Vec::new());
+                dst.core.on_recv(imm, payload.len() as u32, rb, &payload)
             }
         };
         if let Ok(d) = result {
@@ -1473,7 +1526,17 @@ fn random_cfg(rng: &mut Rng) -> Cfg {
 fn random_schedule(seed: u64) -> Pair {
     let mut rng = Rng::new(seed);
     let (a, b) = (random_cfg(&mut rng), random_cfg(&mut rng));
-    let mut pair = Pair::new(a, b);
+    // Every third schedule runs as on a device without immediate data
+    // (buffers of at least 24 bytes: an RTS and its trailer).
+    let mut pair = if seed % 3 == 0 {
+        let fit = |c: Cfg| Cfg {
+            eager_buf_len: c.eager_buf_len.max(24),
+            ..c
+        };
+        Pair::with_trailer(fit(a), fit(b))
+    } else {
+        Pair::new(a, b)
+    };
     let total = [rng.range(0, 60), rng.range(0, 60)];
     let big = u64::from(pair.s[A].core.params().eager_max);
     for _ in 0..3000 {
@@ -1581,8 +1644,12 @@ fn explore(a: Cfg, b: Cfg, msgs: [&[u64]; 2]) -> usize {
 }
 
 fn explore_closing(a: Cfg, b: Cfg, msgs: [&[u64]; 2], closers: [bool; 2]) -> usize {
+    explore_from(Pair::new(a, b), msgs, closers)
+}
+
+fn explore_from(start: Pair, msgs: [&[u64]; 2], closers: [bool; 2]) -> usize {
     let mut seen: HashSet<u64> = HashSet::new();
-    let mut stack = vec![Pair::new(a, b)];
+    let mut stack = vec![start];
     while let Some(pair) = stack.pop() {
         let mut hasher = std::hash::DefaultHasher::new();
         pair.hash(&mut hasher);
@@ -1726,6 +1793,85 @@ fn exhaustive_small_configurations_never_deadlock() {
     for (a, b, msgs, states) in cases {
         assert_eq!(explore(a, b, msgs), states, "{msgs:?}");
     }
+}
+
+/// Without immediate data every SEND carries its immediate in a trailer
+/// the runtime splits off: the core sees the same messages, so every
+/// schedule of a case reaches the same states, framed or not (24-byte
+/// buffers: an RTS and its trailer fill one).
+#[test]
+fn exhaustive_trailer_framing_reaches_the_same_states() {
+    let tiny = Cfg {
+        eager_buf_len: 24,
+        ..TINY
+    };
+    let cases: [([&[u64]; 2], [bool; 2]); 3] = [
+        ([&[1, 3, 0], &[]], [false, false]),
+        ([&[2], &[3]], [false, false]),
+        ([&[1], &[0]], [true, true]),
+    ];
+    for (msgs, closers) in cases {
+        let plain = explore_from(Pair::new(tiny, tiny), msgs, closers);
+        let framed = explore_from(Pair::with_trailer(tiny, tiny), msgs, closers);
+        assert_eq!(framed, plain, "{msgs:?}");
+    }
+    // The first two are cases of `exhaustive_small_configurations_never_deadlock`.
+    assert_eq!(
+        explore_from(
+            Pair::with_trailer(tiny, tiny),
+            [&[1, 3, 0], &[]],
+            [false; 2]
+        ),
+        982
+    );
+}
+
+#[test]
+fn trailer_splits_exactly_and_refuses_a_short_send() {
+    let mut wire = b"payload".to_vec();
+    wire.extend_from_slice(&encode_trailer(0xA1B2_C3D4));
+    assert_eq!(&wire[7..], &[0xA1, 0xB2, 0xC3, 0xD4]);
+    assert_eq!(split_trailer(11, &wire), Ok((0xA1B2_C3D4, 7)));
+    // A bare trailer: a control message.
+    assert_eq!(split_trailer(4, &wire[7..]), Ok((0xA1B2_C3D4, 0)));
+    for byte_len in 0..4 {
+        let err = split_trailer(byte_len, &wire).unwrap_err();
+        assert_eq!(err, MessageError::MissingTrailer { byte_len });
+        assert_eq!(err.abort_code(), 18);
+    }
+    // A byte length past what the runtime could read.
+    assert_eq!(
+        split_trailer(12, &wire),
+        Err(MessageError::MissingTrailer { byte_len: 12 })
+    );
+    assert_eq!(
+        abort_code_reason(18),
+        "SEND without its immediate's trailer"
+    );
+    // Room for the trailer in the smaller of the two buffers.
+    let p = params(
+        Cfg {
+            eager_buf_len: 100,
+            eager_max: 100,
+            ..Cfg::default()
+        },
+        Cfg {
+            eager_buf_len: 64,
+            eager_max: 64,
+            ..Cfg::default()
+        },
+    );
+    assert_eq!(p.eager_max, 64);
+    assert_eq!(p.with_trailer().eager_max, 60);
+    // An eager_max already below both buffers' room stays.
+    let p = params(
+        Cfg {
+            eager_max: 50,
+            ..Cfg::default()
+        },
+        Cfg::default(),
+    );
+    assert_eq!(p.with_trailer().eager_max, 50);
 }
 
 #[test]

@@ -686,6 +686,7 @@ impl StreamQp {
             wr_id,
             signaled: w.signaled,
             solicited: true,
+            fence: false,
             op: if with_imm {
                 SendOp::WriteImm {
                     payload,
@@ -708,6 +709,7 @@ impl StreamQp {
             },
             signaled: false,
             solicited: false,
+            fence: false,
             op: SendOp::Write {
                 payload,
                 remote_addr: w.remote_addr,

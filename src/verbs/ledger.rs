@@ -144,6 +144,11 @@ impl<K: Copy + Eq + Hash, O> Ledger<K, O> {
         freed
     }
 
+    /// Whether an RDMA READ is posted and not known complete.
+    pub(crate) fn reads_outstanding(&self) -> bool {
+        self.posted.iter().any(|p| p.op == PostedOp::Read)
+    }
+
     /// Posted WRs not known complete.
     #[cfg(test)]
     pub(crate) fn outstanding(&self) -> usize {

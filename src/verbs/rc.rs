@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use rdma_mummy_sys::{
     bind_mw_t, ibv_access_flags, ibv_modify_qp, ibv_mr, ibv_mw_bind_info, ibv_post_send,
-    ibv_qp_attr, ibv_qp_state, ibv_send_flags, ibv_send_wr, ibv_wc, ibv_wr_opcode,
+    ibv_qp_attr, ibv_qp_state, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wr_opcode,
 };
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::completion::BasicCompletionQueue;
@@ -34,8 +34,9 @@ use sideway::ibverbs::memory_region::{
 };
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    BasicQueuePair, CreateQueuePairErrorKind, PostSendGuard as _, QueuePair as _,
-    SetInlineData as _, SetScatterGatherEntry as _, WorkRequestFlags,
+    BasicPostSendGuard, BasicQueuePair, CreateQueuePairErrorKind, LocalBufferHandle,
+    PostSendGuard as _, QueuePair as _, SetInlineData as _, SetScatterGatherEntry as _,
+    WorkRequestFlags,
 };
 
 use super::cm::CmId;
@@ -66,6 +67,15 @@ pub(crate) struct OpenDevice {
     /// immediate data, so there a stream carries each 32-bit immediate in
     /// a 4-byte SEND after its RDMA WRITE (`stream::qp`).
     pub(crate) immediate_data: bool,
+    /// Whether a WR posted after an RDMA READ must be fenced
+    /// (`IBV_SEND_FENCE`) to complete after it. Soft-iWARP completes a
+    /// SEND or WRITE once transmitted, ahead of an earlier READ still
+    /// waiting for its response (`siw_qp_sq_process` moves the READ to
+    /// the ORQ and goes on), which breaks the in-order send-queue
+    /// completions the message core relies on (a completion retires every
+    /// earlier WR); the fence holds the later WR until the READ
+    /// completed. Set on iWARP devices.
+    pub(crate) fence_after_read: bool,
     /// Whether a CQ armed for solicited events only wakes on a solicited
     /// receive. Soft-iWARP (`siw`, vendor id [`SIW_VENDOR_ID`]) does not:
     /// its receive completions test the CQ's arming as unsolicited
@@ -193,6 +203,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         limits,
         atomics,
         immediate_data,
+        fence_after_read: !immediate_data,
         solicited_events,
         _siw_mmap_guard: siw_mmap_guard,
         _counted_pd: Counted::new(Kind::ProtectionDomain),
@@ -227,8 +238,25 @@ pub(crate) enum MrAccess {
     LocalRead,
     /// `IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE`: a stream's receive ring on
     /// a device without windows, on a QP with a PD of its own (so the key
-    /// is useless from any other QP). Never a pool or user region.
+    /// is useless from any other QP); on such a message QP, the sink of
+    /// an RDMA READ (iWARP's READ response is a tagged write to the sink's
+    /// key, RFC 5040 section 4.4). Never a pool or user region.
     LocalWriteRemoteWrite,
+    /// `IBV_ACCESS_REMOTE_READ`: exactly one rendezvous message's bytes on
+    /// a message QP with a PD of its own (a device without windows), from
+    /// its RTS until the peer's DONE.
+    RemoteRead,
+    /// A grant on a device without windows, on the connection's own PD:
+    /// `LOCAL_WRITE` (required with remote write or atomics) and exactly
+    /// the remote rights granted.
+    Grant {
+        /// `IBV_ACCESS_REMOTE_READ`.
+        read: bool,
+        /// `IBV_ACCESS_REMOTE_WRITE`.
+        write: bool,
+        /// `IBV_ACCESS_REMOTE_ATOMIC`.
+        atomic: bool,
+    },
 }
 
 impl MrAccess {
@@ -248,6 +276,24 @@ impl MrAccess {
             MrAccess::LocalWrite => AccessFlags::LocalWrite,
             MrAccess::LocalRead => AccessFlags::none(),
             MrAccess::LocalWriteRemoteWrite => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+            MrAccess::RemoteRead => AccessFlags::RemoteRead,
+            MrAccess::Grant {
+                read,
+                write,
+                atomic,
+            } => {
+                let mut f = AccessFlags::none();
+                if read {
+                    f |= AccessFlags::RemoteRead;
+                }
+                if write {
+                    f |= AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
+                }
+                if atomic {
+                    f |= AccessFlags::LocalWrite | AccessFlags::RemoteAtomic;
+                }
+                f
+            }
         }
     }
 }
@@ -281,6 +327,33 @@ impl MemoryRegistration {
         // which owns the MR, is dropped.
         let mr =
             unsafe { device.pd.reg_mr(ptr.as_ptr() as usize, len, flags) }.map_err(reg_mr_errno)?;
+        Ok(MemoryRegistration {
+            mr,
+            access,
+            _device: Arc::clone(device),
+            _counted: Counted::memory_region(len),
+        })
+    }
+
+    /// Registers `len` bytes at `ptr` with `access` on `pd`, a PD other
+    /// than the device's shared one: a connection's own
+    /// ([`RcQueuePair::register_scoped`], [`RcQueuePair::pd`]).
+    ///
+    /// # Safety
+    /// As [`MemoryRegistration::new`].
+    pub(crate) unsafe fn on_pd(
+        device: &Arc<OpenDevice>,
+        pd: &Arc<ProtectionDomain>,
+        ptr: NonNull<u8>,
+        len: usize,
+        access: MrAccess,
+    ) -> io::Result<Self> {
+        // A key that opens memory to a peer is only ever made on a PD of
+        // one connection's own.
+        debug_assert!(!access.grants_remote_access() || !Arc::ptr_eq(pd, &device.pd));
+        // SAFETY: as in `new`, guaranteed by the caller.
+        let mr = unsafe { pd.reg_mr(ptr.as_ptr() as usize, len, access.flags()) }
+            .map_err(reg_mr_errno)?;
         Ok(MemoryRegistration {
             mr,
             access,
@@ -489,7 +562,18 @@ pub(crate) struct RcSizes {
     /// 4-byte inline SEND, so the send queue is made twice as deep and
     /// inline data at least 4 bytes.
     pub imm_in_send_without_immediate: bool,
+    /// A message endpoint, whose every message is one SEND WITH IMM: on a
+    /// device without immediate data it becomes a SEND whose last 4 bytes
+    /// carry the immediate (`proto::message::TRAILER_LEN`), from a second
+    /// SGE or inline, so the QP takes 2 send SGEs and inline data of at
+    /// least [`TRAILER_INLINE_MIN`] bytes (an RTS header and its trailer).
+    pub trailer_without_immediate: bool,
 }
+
+/// Inline data a message QP without immediate data is created with at
+/// least: a 20-byte RTS header and its 4-byte trailer, so an RTS always
+/// goes inline there.
+pub(crate) const TRAILER_INLINE_MIN: u32 = 24;
 
 /// Completion status as the runtime needs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -664,6 +748,16 @@ pub(crate) struct Sge {
     pub lkey: u32,
 }
 
+impl Sge {
+    fn raw(self) -> ibv_sge {
+        ibv_sge {
+            addr: self.addr,
+            length: self.len,
+            lkey: self.lkey,
+        }
+    }
+}
+
 /// The payload of a SEND or an RDMA WRITE WITH IMM ([`SendOp::SendImm`],
 /// [`SendOp::WriteImm`]).
 #[derive(Debug, Clone, Copy)]
@@ -674,6 +768,35 @@ pub(crate) enum SendPayload<'a> {
     Inline(&'a [u8]),
     /// Read by the NIC from registered memory.
     Sge(Sge),
+    /// A message's bytes and its 4-byte trailer, copied into the WQE one
+    /// after the other (`IBV_SEND_INLINE`; a message QP without immediate
+    /// data).
+    InlineTrailer(&'a [u8], [u8; 4]),
+    /// A message's bytes and its 4-byte trailer, read by the NIC from two
+    /// SGEs of registered memory (a message QP without immediate data).
+    SgeTrailer(Sge, Sge),
+}
+
+/// Attaches `payload` to the WR being built.
+///
+/// # Safety
+/// The memory every SGE of `payload` names must be registered under its
+/// lkey and stay valid until the WR's completion (the caller of
+/// [`RcQueuePair::post_send_batch`] guarantees it).
+unsafe fn set_payload(wr: LocalBufferHandle<'_, BasicPostSendGuard<'_>>, payload: SendPayload<'_>) {
+    match payload {
+        SendPayload::None => {}
+        SendPayload::Inline(data) => wr.setup_inline_data(data),
+        SendPayload::InlineTrailer(data, trailer) => {
+            wr.setup_inline_data_list(&[io::IoSlice::new(data), io::IoSlice::new(&trailer)])
+        }
+        // SAFETY: the caller guarantees the SGE's memory.
+        SendPayload::Sge(sge) => unsafe { wr.setup_sge(sge.lkey, sge.addr, sge.len) },
+        // SAFETY: the caller guarantees both SGEs' memory.
+        SendPayload::SgeTrailer(data, trailer) => unsafe {
+            wr.setup_sge_list(&[data.raw(), trailer.raw()])
+        },
+    }
 }
 
 /// One send-queue WR for [`RcQueuePair::post_send_batch`].
@@ -684,6 +807,9 @@ pub(crate) struct SendWr<'a> {
     /// `IBV_SEND_SOLICITED` (a WR that consumes a receive WR at the peer:
     /// a SEND or an RDMA WRITE WITH IMM; see `RcQueuePair::arm`).
     pub solicited: bool,
+    /// `IBV_SEND_FENCE`: processed only once every earlier RDMA READ (and
+    /// atomic) completed ([`OpenDevice::fence_after_read`]).
+    pub fence: bool,
     pub op: SendOp<'a>,
 }
 
@@ -777,8 +903,11 @@ impl RcQueuePair {
         let events = CqEvents::new(&device, sizes.share_cq)?;
         let mut counted = Vec::with_capacity(2);
         let imm_in_send = sizes.imm_in_send_without_immediate && !device.immediate_data;
+        let trailer = sizes.trailer_without_immediate && !device.immediate_data;
         let (send_depth, max_inline) = if imm_in_send {
             (sizes.send_depth.saturating_mul(2), sizes.max_inline.max(4))
+        } else if trailer {
+            (sizes.send_depth, sizes.max_inline.max(TRAILER_INLINE_MIN))
         } else {
             (sizes.send_depth, sizes.max_inline)
         };
@@ -799,7 +928,7 @@ impl RcQueuePair {
             .create_qp_builder()
             .setup_max_send_wr(send_depth)
             .setup_max_recv_wr(sizes.recv_depth)
-            .setup_max_send_sge(1)
+            .setup_max_send_sge(if trailer { 2 } else { 1 })
             .setup_max_recv_sge(1)
             .setup_max_inline_data(max_inline)
             .setup_send_cq(Arc::clone(cq.completion_queue()))
@@ -836,6 +965,46 @@ impl RcQueuePair {
     /// [`RcSizes::own_pd_without_windows`]).
     pub(crate) fn has_own_pd(&self) -> bool {
         self.own_pd
+    }
+
+    /// This QP's PD: its own on a device without windows when
+    /// [`RcSizes::own_pd_without_windows`] asked for it, the device's
+    /// otherwise.
+    pub(crate) fn pd(&self) -> &Arc<ProtectionDomain> {
+        &self.pd
+    }
+
+    /// Registers exactly `len` bytes at `addr` with `access`, which may
+    /// open them to the peer, on this QP's PD of its own; `None` on a QP
+    /// on the device's shared PD (where a remote key would reach the
+    /// memory from every QP of the process).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] (`ibv_reg_mr`) when the provider refuses.
+    ///
+    /// # Safety
+    /// The memory must stay valid (and not be freed or reused) until the
+    /// registration is dropped; the NIC may write it when `access` allows
+    /// writes.
+    pub(crate) unsafe fn register_scoped(
+        &self,
+        addr: u64,
+        len: usize,
+        access: MrAccess,
+    ) -> Result<Option<MemoryRegistration>> {
+        if !self.own_pd {
+            return Ok(None);
+        }
+        let Some(ptr) = NonNull::new(addr as *mut u8) else {
+            return Err(Error::Internal("registration of a null address".into()));
+        };
+        // SAFETY: forwarded to the caller.
+        unsafe { MemoryRegistration::on_pd(&self.device, &self.pd, ptr, len.max(1), access) }
+            .map(Some)
+            .map_err(|source| Error::Verbs {
+                op: "ibv_reg_mr",
+                source,
+            })
     }
 
     /// Allocates and registers `len` bytes with `access` on this QP's PD
@@ -1122,6 +1291,9 @@ impl RcQueuePair {
             } else {
                 WorkRequestFlags::none()
             };
+            if w.fence {
+                flags |= WorkRequestFlags::Fence;
+            }
             if w.solicited
                 && matches!(
                     w.op,
@@ -1134,14 +1306,8 @@ impl RcQueuePair {
             match w.op {
                 SendOp::SendImm { payload, imm } => {
                     let wr = wr.setup_send_imm(imm.to_be());
-                    match payload {
-                        SendPayload::None => {}
-                        SendPayload::Inline(data) => wr.setup_inline_data(data),
-                        // SAFETY: the caller guarantees the SGE's memory.
-                        SendPayload::Sge(sge) => unsafe {
-                            wr.setup_sge(sge.lkey, sge.addr, sge.len)
-                        },
-                    }
+                    // SAFETY: the caller guarantees the SGEs' memory.
+                    unsafe { set_payload(wr, payload) };
                 }
                 SendOp::WriteImm {
                     payload,
@@ -1150,14 +1316,8 @@ impl RcQueuePair {
                     imm,
                 } => {
                     let wr = wr.setup_write_imm(rkey, remote_addr, imm.to_be());
-                    match payload {
-                        SendPayload::None => {}
-                        SendPayload::Inline(data) => wr.setup_inline_data(data),
-                        // SAFETY: the caller guarantees the SGE's memory.
-                        SendPayload::Sge(sge) => unsafe {
-                            wr.setup_sge(sge.lkey, sge.addr, sge.len)
-                        },
-                    }
+                    // SAFETY: the caller guarantees the SGEs' memory.
+                    unsafe { set_payload(wr, payload) };
                 }
                 SendOp::Read {
                     local,
@@ -1174,25 +1334,13 @@ impl RcQueuePair {
                     rkey,
                 } => {
                     let wr = wr.setup_write(rkey, remote_addr);
-                    match payload {
-                        SendPayload::None => {}
-                        SendPayload::Inline(data) => wr.setup_inline_data(data),
-                        // SAFETY: the caller guarantees the SGE's memory.
-                        SendPayload::Sge(sge) => unsafe {
-                            wr.setup_sge(sge.lkey, sge.addr, sge.len)
-                        },
-                    }
+                    // SAFETY: the caller guarantees the SGEs' memory.
+                    unsafe { set_payload(wr, payload) };
                 }
                 SendOp::Send { payload } => {
                     let wr = wr.setup_send();
-                    match payload {
-                        SendPayload::None => {}
-                        SendPayload::Inline(data) => wr.setup_inline_data(data),
-                        // SAFETY: the caller guarantees the SGE's memory.
-                        SendPayload::Sge(sge) => unsafe {
-                            wr.setup_sge(sge.lkey, sge.addr, sge.len)
-                        },
-                    }
+                    // SAFETY: the caller guarantees the SGEs' memory.
+                    unsafe { set_payload(wr, payload) };
                 }
                 SendOp::CompareSwap {
                     local,

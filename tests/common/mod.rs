@@ -15,6 +15,19 @@ pub fn device() -> String {
     std::env::var("TOKIO_RDMA_TEST_DEVICE").unwrap_or_else(|_| "rxe0".to_string())
 }
 
+/// Whether the guest's device ([`device`]) speaks iWARP (no immediate
+/// data, no memory windows, no atomics on siw), as
+/// `tokio_rdma::verbs::device` reports its transport.
+pub fn iwarp() -> bool {
+    let name = device();
+    let dev = tokio_rdma::verbs::device::devices()
+        .expect("the RDMA devices")
+        .into_iter()
+        .find(|d| d.name == name)
+        .unwrap_or_else(|| panic!("device {name} in the guest"));
+    dev.transport == tokio_rdma::verbs::device::RdmaTransport::Iwarp
+}
+
 /// The path of an example binary (`cargo test` builds them beside the
 /// test binaries).
 pub fn example(name: &str) -> std::path::PathBuf {
