@@ -1434,16 +1434,16 @@ async fn suite(args: SuiteArgs) {
     // Across hosts the peer's perftest servers run with `-R` (rdma_cm picks
     // the GID for the address), as on iWARP; locally on RoCE the RoCE v2
     // GID index is given.
-    let common = match server_ip {
-        _ if iwarp => vec!["-d".to_string(), device, "-R".into(), "-F".into()],
-        Some(_) => vec!["-d".to_string(), device, "-R".into(), "-F".into()],
-        None => vec![
+    let common = if iwarp || server_ip.is_some() {
+        vec!["-d".to_string(), device, "-R".into(), "-F".into()]
+    } else {
+        vec![
             "-d".to_string(),
             device,
             "-x".into(),
             gid_index.to_string(),
             "-F".into(),
-        ],
+        ]
     };
     let mut lat = common.clone();
     lat.extend(["-s".into(), "64".into(), "-n".into(), requests.to_string()]);
