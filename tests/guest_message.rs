@@ -830,11 +830,13 @@ async fn sender_killed_mid_rendezvous_is_an_error_and_leaks_nothing() {
     let err = got.expect_err("a vanished sender is an error, not a message or the end");
     // A dying process's memory regions may go before its QP: the READ then
     // fails with a remote access error (InvalidData) instead of a reset.
+    // Soft-iWARP may complete a READ cut off by the dead TCP connection with
+    // IBV_WC_LOC_QP_OP_ERR (ConnectionAborted).
     assert!(
         matches!(
             err.kind(),
             io::ErrorKind::ConnectionReset | io::ErrorKind::InvalidData
-        ),
+        ) || (common::iwarp() && err.kind() == io::ErrorKind::ConnectionAborted),
         "{err}"
     );
     assert_eq!(server.stats().messages_received, 0);

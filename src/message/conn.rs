@@ -602,7 +602,14 @@ impl MsgState {
             self.fail(e);
         }
         for wc in &scratch {
+            // On siw a READ may complete after later WRs: those wait.
+            if self.qp.hold_back(wc) {
+                continue;
+            }
             self.on_completion(wc);
+            while let Some(wc) = self.qp.released() {
+                self.on_completion(&wc);
+            }
         }
         self.scratch = scratch;
     }

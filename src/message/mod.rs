@@ -43,8 +43,11 @@
 //! (remote write: iWARP's READ response is a tagged write, RFC 5040
 //! section 4.4) until the READs completed, a grant until it is revoked.
 //! And since Soft-iWARP completes a SEND before an earlier READ whose
-//! response is still coming, every WR posted behind an outstanding READ
-//! carries `IBV_SEND_FENCE`, so completions stay in order.
+//! response is still coming, READs are always signaled there and a
+//! completion that overtook an earlier READ's is held back until that READ
+//! completed, so the core sees completions in post order. (A fence,
+//! `IBV_SEND_FENCE`, deadlocked two ends reading each other on siw: its
+//! fenced WQE holds the transmit slot the peer's READ responses need.)
 //!
 //! # Ports
 //!

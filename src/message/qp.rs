@@ -103,6 +103,10 @@ pub(crate) struct MessageQp {
     grant_regions: HashMap<u64, (LocalRegion, u64)>,
     /// Number of the last remote WR ([`Work::Remote`]).
     next_remote: u64,
+    /// Send-queue completions held back until the RDMA READs posted before
+    /// them completed, in arrival order (a device whose READ completions
+    /// come late: [`OpenDevice::reads_complete_late`](crate::verbs::rc::OpenDevice)).
+    held_back: std::collections::VecDeque<crate::verbs::rc::Completion>,
     /// Tasks waiting for a remote slot.
     remote_waiters: Vec<Waker>,
     /// Grants dropped while every remote slot was taken: revoked as slots
@@ -274,6 +278,7 @@ impl MessageQp {
             remote: HashMap::new(),
             grant_regions: HashMap::new(),
             next_remote: 0,
+            held_back: std::collections::VecDeque::new(),
             remote_waiters: Vec::new(),
             pending_revokes: Vec::new(),
             #[cfg(tokio_rdma_guest)]
@@ -534,6 +539,57 @@ impl MessageQp {
         self.ledger.op(wr_id) == Some(PostedOp::Read)
     }
 
+    /// Whether completion `wc` must wait: on a device whose READ
+    /// completions may come after later WRs' (siw), a successful
+    /// send-queue completion with a READ posted before it not yet
+    /// complete is held back (and handed out by
+    /// [`released`](Self::released) once those READs completed), because
+    /// the ledger and the message core take a completion to retire every
+    /// earlier WR. A core WR that a later completion (a READ posted after
+    /// it) already retired is dropped (returns true, not held). READs,
+    /// receives, failures and the QP's own probes and window work pass.
+    pub(crate) fn hold_back(&mut self, wc: &crate::verbs::rc::Completion) -> bool {
+        if !self.qp.device().reads_complete_late || wc.status != WcStatus::Success {
+            return false;
+        }
+        let wr_id = match wc.work {
+            Work::Core(_) | Work::Remote(_) => wc.wr_id(),
+            _ => return false,
+        };
+        match self.ledger.op(wr_id) {
+            // Retired by a later READ's completion (posted after it, so it
+            // was sent before): nothing left to report.
+            None if matches!(wc.work, Work::Core(_)) => return true,
+            // READs complete in order among themselves: every earlier READ
+            // is done, and held-back WRs behind it may follow.
+            Some(PostedOp::Read) => return false,
+            _ => {}
+        }
+        if !self.held_back.is_empty() || self.ledger.read_before(wr_id) {
+            self.held_back.push_back(*wc);
+            return true;
+        }
+        false
+    }
+
+    /// The next held-back completion whose earlier READs all completed,
+    /// if any (in arrival order). A core WR's completion that a later one
+    /// already retired is skipped; a remote WR's still goes to its future.
+    pub(crate) fn released(&mut self) -> Option<crate::verbs::rc::Completion> {
+        loop {
+            let wc = *self.held_back.front()?;
+            let wr_id = wc.wr_id();
+            if self.ledger.read_before(wr_id) {
+                return None;
+            }
+            self.held_back.pop_front();
+            if matches!(wc.work, Work::Core(_)) && self.ledger.op(wr_id).is_none() {
+                continue;
+            }
+            return Some(wc);
+        }
+    }
+
     /// Send-queue WR `wr_id` completed (successfully or flushed): it and
     /// every earlier WR are done (RC ordering); the ledger frees what was
     /// given up while they were posted.
@@ -660,10 +716,10 @@ impl MessageQp {
     pub(crate) fn post(&mut self, batch: &[MsgTransmit]) -> Result<()> {
         let headers = self.prepare_windows(batch)?;
         let mut headers = headers.iter();
-        // Where READ completions may overtake later WRs' (siw), every WR
-        // after an outstanding READ is fenced behind it.
-        let fence_after_read = self.qp.device().fence_after_read;
-        let mut read_before = fence_after_read && self.ledger.reads_outstanding();
+        // Where a READ's completion may come after later WRs' (siw), every
+        // READ is signaled, so that completions held back behind it
+        // (`hold_back`) are let go when it completes.
+        let reads_complete_late = self.qp.device().reads_complete_late;
         let mut wrs = Vec::with_capacity(batch.len());
         let mut records = Vec::with_capacity(batch.len());
         let mut last_sge = None;
@@ -715,7 +771,6 @@ impl MessageQp {
                             wr_id: Work::Core(t.wr_id).wr_id(),
                             signaled: t.signaled,
                             solicited: t.solicited,
-                            fence: read_before,
                             op,
                         });
                         records.push((Work::Core(t.wr_id).wr_id(), PostedOp::Send, None));
@@ -802,12 +857,10 @@ impl MessageQp {
             let is_read = posted == PostedOp::Read;
             wrs.push(SendWr {
                 wr_id,
-                signaled: t.signaled,
+                signaled: t.signaled || (is_read && reads_complete_late),
                 solicited: t.solicited,
-                fence: read_before && !is_read,
                 op,
             });
-            read_before |= is_read && fence_after_read;
             records.push((wr_id, posted, pin));
         }
         // SAFETY: every SGE names registered memory on this QP's PD that
@@ -1020,14 +1073,10 @@ impl MessageQp {
             ),
         };
         let wr_id = self.remote_wr_id();
-        let fence = posted != PostedOp::Read
-            && self.qp.device().fence_after_read
-            && self.ledger.reads_outstanding();
         let wrs = [SendWr {
             wr_id,
             signaled: true,
             solicited: false,
-            fence,
             op,
         }];
         // SAFETY: the SGE names `local`, a pool buffer registered with

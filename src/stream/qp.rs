@@ -686,7 +686,6 @@ impl StreamQp {
             wr_id,
             signaled: w.signaled,
             solicited: true,
-            fence: false,
             op: if with_imm {
                 SendOp::WriteImm {
                     payload,
@@ -709,7 +708,6 @@ impl StreamQp {
             },
             signaled: false,
             solicited: false,
-            fence: false,
             op: SendOp::Write {
                 payload,
                 remote_addr: w.remote_addr,

@@ -144,9 +144,17 @@ impl<K: Copy + Eq + Hash, O> Ledger<K, O> {
         freed
     }
 
-    /// Whether an RDMA READ is posted and not known complete.
-    pub(crate) fn reads_outstanding(&self) -> bool {
-        self.posted.iter().any(|p| p.op == PostedOp::Read)
+    /// Whether an RDMA READ posted before WR `wr_id` is not known
+    /// complete (false when `wr_id` is not posted).
+    pub(crate) fn read_before(&self, wr_id: u64) -> bool {
+        let mut reads = false;
+        for p in &self.posted {
+            if p.wr_id == wr_id {
+                return reads;
+            }
+            reads |= p.op == PostedOp::Read;
+        }
+        false
     }
 
     /// Posted WRs not known complete.
@@ -342,5 +350,29 @@ mod tests {
         let o = qp.owner("again");
         assert!(qp.ledger.release(5, o).is_some());
         assert_eq!(qp.freed(), vec!["again"]);
+    }
+
+    #[test]
+    fn read_before_sees_only_reads_posted_earlier_and_not_complete() {
+        let mut l: Ledger<u64, Owner> = Ledger::default();
+        l.record(1, PostedOp::Send, None);
+        l.record(2, PostedOp::Read, Some(7));
+        l.record(3, PostedOp::Send, None);
+        l.record(4, PostedOp::Read, Some(8));
+        l.record(5, PostedOp::Write, None);
+        assert!(!l.read_before(1));
+        assert!(!l.read_before(2));
+        assert!(l.read_before(3));
+        assert!(l.read_before(5));
+        assert!(!l.read_before(9), "not posted");
+        // The first READ completes: WR 3 has none before it any more.
+        l.complete(2);
+        assert!(!l.read_before(3));
+        assert!(l.read_before(5));
+        // The second READ's completion retires WR 3 with it.
+        l.complete(4);
+        assert_eq!(l.op(3), None);
+        assert!(!l.read_before(5));
+        assert_eq!(l.outstanding(), 1);
     }
 }

@@ -67,15 +67,18 @@ pub(crate) struct OpenDevice {
     /// immediate data, so there a stream carries each 32-bit immediate in
     /// a 4-byte SEND after its RDMA WRITE (`stream::qp`).
     pub(crate) immediate_data: bool,
-    /// Whether a WR posted after an RDMA READ must be fenced
-    /// (`IBV_SEND_FENCE`) to complete after it. Soft-iWARP completes a
-    /// SEND or WRITE once transmitted, ahead of an earlier READ still
-    /// waiting for its response (`siw_qp_sq_process` moves the READ to
-    /// the ORQ and goes on), which breaks the in-order send-queue
-    /// completions the message core relies on (a completion retires every
-    /// earlier WR); the fence holds the later WR until the READ
-    /// completed. Set on iWARP devices.
-    pub(crate) fence_after_read: bool,
+    /// Whether a send-queue completion may come before that of an earlier
+    /// RDMA READ. Soft-iWARP completes a SEND or WRITE once transmitted,
+    /// ahead of an earlier READ still waiting for its response
+    /// (`siw_qp_sq_process` moves the READ to its ORQ and goes on), which
+    /// breaks the in-order send-queue completions the message core and
+    /// the ledger rely on (a completion retires every earlier WR); the
+    /// message QP then holds such completions back until the READs before
+    /// them completed (`MessageQp::hold_back`). A fence (`IBV_SEND_FENCE`)
+    /// would order them too, but siw's fenced WQE occupies its transmit
+    /// slot and starves the peer's READ responses: two ends reading each
+    /// other deadlock. Set on iWARP devices.
+    pub(crate) reads_complete_late: bool,
     /// Whether a CQ armed for solicited events only wakes on a solicited
     /// receive. Soft-iWARP (`siw`, vendor id [`SIW_VENDOR_ID`]) does not:
     /// its receive completions test the CQ's arming as unsolicited
@@ -203,7 +206,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         limits,
         atomics,
         immediate_data,
-        fence_after_read: !immediate_data,
+        reads_complete_late: !immediate_data,
         solicited_events,
         _siw_mmap_guard: siw_mmap_guard,
         _counted_pd: Counted::new(Kind::ProtectionDomain),
@@ -807,9 +810,6 @@ pub(crate) struct SendWr<'a> {
     /// `IBV_SEND_SOLICITED` (a WR that consumes a receive WR at the peer:
     /// a SEND or an RDMA WRITE WITH IMM; see `RcQueuePair::arm`).
     pub solicited: bool,
-    /// `IBV_SEND_FENCE`: processed only once every earlier RDMA READ (and
-    /// atomic) completed ([`OpenDevice::fence_after_read`]).
-    pub fence: bool,
     pub op: SendOp<'a>,
 }
 
@@ -1291,9 +1291,6 @@ impl RcQueuePair {
             } else {
                 WorkRequestFlags::none()
             };
-            if w.fence {
-                flags |= WorkRequestFlags::Fence;
-            }
             if w.solicited
                 && matches!(
                     w.op,
