@@ -171,8 +171,15 @@ impl MsgState {
 
     /// Nothing of ours is left for the peer to take and nothing of its own
     /// is half-received: the peer going now is a clean close.
+    /// Nothing of ours untaken by the peer, nothing of its own half
+    /// received, and no one-sided operation of ours waiting for its
+    /// completion: a disconnect now is a clean close. (A peer killed with
+    /// our READs or WRITEs in flight is a reset for them, whichever of the
+    /// disconnect and their flushed completions is seen first.)
     fn nothing_half_done(&self) -> bool {
-        self.qp.sends_not_taken() == 0 && self.core.incomplete_recv() == 0
+        self.qp.sends_not_taken() == 0
+            && self.core.incomplete_recv() == 0
+            && self.qp.remote_pending() == 0
     }
 
     fn dead(&self) -> bool {

@@ -941,6 +941,12 @@ impl MessageQp {
         self.remote.len()
     }
 
+    /// Remote-memory WRs whose completion has not come yet (a one-sided
+    /// operation, bind or revocation the NIC may still be working on).
+    pub(crate) fn remote_pending(&self) -> usize {
+        self.remote.values().filter(|o| o.status.is_none()).count()
+    }
+
     /// Grants whose window is bound (or, without windows, whose memory
     /// region is registered) now.
     pub(crate) fn grants_held(&self) -> usize {
