@@ -534,7 +534,9 @@ impl RdmaConfig {
     /// `None` turns keepalive off), like TCP's `SO_KEEPALIVE` with
     /// `TCP_KEEPIDLE`. A probe is a zero-length RDMA WRITE (it carries no
     /// data, consumes no receive WR and no application credit; IBTA C9-88:
-    /// a zero-length operation checks no key). A peer host that is gone
+    /// a zero-length operation checks no key); on iWARP, where a WRITE
+    /// completes once it is handed to TCP, a zero-length RDMA READ, which
+    /// completes only with the peer's response. A peer host that is gone
     /// cannot acknowledge it: after the RC transport's retries (see
     /// [`ack_timeout`](Self::ack_timeout)) the connection fails and every
     /// waiter gets `ConnectionReset` (`Error::WorkCompletion` with
@@ -544,7 +546,10 @@ impl RdmaConfig {
     /// A probe still neither acknowledged nor failed when the next is due
     /// (the queue pair stopped making progress without an error) fails the
     /// connection with `TimedOut` (`Error::KeepaliveTimeout`), so a wedged
-    /// queue pair is an error within two keepalive periods.
+    /// queue pair is an error within two keepalive periods. On iWARP that
+    /// is also how a dead peer shows: its retransmission is TCP's, whose
+    /// bound is many minutes (`tcp_retries2`), so the unanswered READ
+    /// probe ends the connection with `KeepaliveTimeout` instead.
     pub fn keepalive(mut self, idle: Option<Duration>) -> Self {
         self.keepalive = idle;
         self

@@ -34,6 +34,39 @@ async fn bind(cfg: &RdmaConfig) -> RdmaListener {
         .expect("bind on rxe0's address")
 }
 
+/// `select_device` names the guest's device for its address on either
+/// provider: by the GID that carries it on Soft-RoCE, through rdma_cm's
+/// bind on Soft-iWARP (whose GIDs carry the MAC address); an address no
+/// device has is `NoDeviceForAddress`.
+#[test]
+fn select_device_names_the_guest_device_for_its_address() {
+    use tokio_rdma::verbs;
+    let ip: std::net::IpAddr = IP.parse().unwrap();
+    let sel = verbs::select_device(ip).expect("a device for the guest address");
+    assert_eq!(sel.device, common::device());
+    assert_eq!(sel.port_num, 1);
+    let sysfs = std::fs::read_to_string(format!(
+        "/sys/class/infiniband/{}/ports/1/gids/{}",
+        sel.device, sel.gid_index
+    ))
+    .expect("sysfs gid entry");
+    assert_eq!(sysfs.trim().parse::<std::net::Ipv6Addr>().unwrap(), sel.gid);
+    if common::iwarp() {
+        assert_eq!(sel.gid_index, 0);
+    } else {
+        assert_eq!(sel.gid, ip_v4_mapped(IP));
+    }
+    let other: std::net::IpAddr = "10.11.0.77".parse().unwrap();
+    match verbs::select_device(other) {
+        Err(Error::NoDeviceForAddress { addr }) => assert_eq!(addr, other),
+        r => panic!("expected NoDeviceForAddress, got {r:?}"),
+    }
+}
+
+fn ip_v4_mapped(ip: &str) -> std::net::Ipv6Addr {
+    ip.parse::<std::net::Ipv4Addr>().unwrap().to_ipv6_mapped()
+}
+
 /// Accepts `n` connections on `l` and echoes each on a task of its own
 /// until EOF; resolves to the bytes echoed on all of them.
 fn echo_accepted(l: RdmaListener, n: usize) -> tokio::task::JoinHandle<u64> {
@@ -1014,7 +1047,8 @@ async fn a_ring_key_is_useless_from_another_connection() {
 }
 
 /// An idle connection probes its peer (keepalive 1 s here): the probes
-/// (zero-length RDMA WRITEs) are acknowledged and change nothing, so after
+/// (zero-length RDMA WRITEs; READs on iWARP) are answered and change
+/// nothing, so after
 /// several idle periods the stream carries data as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keepalive_probes_keep_an_idle_stream_intact() {

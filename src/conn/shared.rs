@@ -98,6 +98,10 @@ pub(crate) trait Driven: Send + 'static {
     /// Whether the connection is usable (no error, peer not gone, not
     /// closing): only then does the driver probe it.
     fn alive(&self) -> bool;
+    /// Whether the peer can still answer a probe: no error recorded, and
+    /// the peer neither disconnected nor closed (this side may be
+    /// closing).
+    fn peer_connected(&self) -> bool;
 
     /// Whether the connection failed: `None` while healthy; `Some(true)`
     /// once an error is recorded and any ABORT owed to the peer is out;
@@ -108,7 +112,8 @@ pub(crate) trait Driven: Send + 'static {
     fn failure(&self) -> Option<bool>;
 
     /// The connection was idle for the keepalive time (`idle`): probe the
-    /// peer (a zero-length RDMA WRITE; a peer that is gone fails it after
+    /// peer (a zero-length RDMA WRITE, a READ on iWARP:
+    /// [`RcQueuePair::post_probe`]; a peer that is gone fails it after
     /// the retry bound, which fails the connection). A previous probe
     /// still neither acknowledged nor failed a whole idle period later
     /// means the queue pair stopped making progress without an error (rxe
@@ -457,6 +462,10 @@ async fn drive<D: Driven>(
     // (the peer's CREDITs while this side writes) do not put it off for
     // ever.
     let mut tick_at: Option<tokio::time::Instant> = None;
+    // A clean close where a completion only means "handed to the
+    // transport" (iWARP): the probe that confirms the peer processed
+    // everything before the disconnect was posted.
+    let mut delivery_probed = false;
     loop {
         if woken {
             shared.driver_wakeups.fetch_add(1, Ordering::Relaxed);
@@ -508,8 +517,24 @@ async fn drive<D: Driven>(
             // `false` and wakes the driver, whose permit the wait below
             // then takes.
             shared.driver_ticking.store(ticking, Ordering::Release);
+            // Closing cleanly: where a completion only says a WR went to
+            // the transport (iWARP), post a probe after everything else
+            // and wait for it, so the peer has it all before the
+            // disconnect (which Soft-iWARP turns into an immediate TCP
+            // close). A peer already gone, a failed post and the linger
+            // bound end the wait.
+            let mut closed = orphaned && st.finished();
+            if closed && !failed && st.peer_connected() && st.qp().completes_at_transmit() {
+                if !delivery_probed {
+                    delivery_probed = true;
+                    if let Err(e) = st.qp_mut().post_probe() {
+                        debug!(error = %e, "no delivery probe before the disconnect");
+                    }
+                }
+                closed = !st.qp().probe_outstanding();
+            }
             (
-                (orphaned && st.finished()) || failed,
+                closed || failed,
                 st.waiting_for_memory(),
                 ticking,
                 st.tick_on_schedule(),

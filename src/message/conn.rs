@@ -244,7 +244,7 @@ impl MsgState {
             }
             if self.reports_failure(wc.status) {
                 let op = if wc.work == Work::Probe {
-                    "keepalive probe (zero-length RDMA WRITE)"
+                    self.qp.qp_ref().probe_op()
                 } else {
                     "memory window bind or invalidation"
                 };
@@ -701,11 +701,16 @@ impl Driven for MsgState {
         !self.dead()
     }
 
+    fn peer_connected(&self) -> bool {
+        self.error.is_none() && !self.peer_closed
+    }
+
     fn failure(&self) -> Option<bool> {
         self.error.as_ref().map(|_| self.core.all_sent())
     }
 
-    /// Disconnect once our CLOSE completed (the peer received it), or the
+    /// Disconnect once our CLOSE completed (the peer received it; on
+    /// iWARP the driver then also waits for a probe), or the
     /// peer closed, or the connection failed; without a credit for CLOSE,
     /// once everything else is done.
     fn finished(&self) -> bool {

@@ -161,6 +161,17 @@ struct RemoteOp {
     sink: Option<MemoryRegistration>,
 }
 
+/// What a new [`RemoteOp`] starts with besides its kind.
+#[derive(Default)]
+struct RemoteEntry {
+    /// Its local buffer ([`RemoteOp::local`]).
+    local: Option<PoolBuf>,
+    /// Its READ sink's registration ([`RemoteOp::sink`]).
+    sink: Option<MemoryRegistration>,
+    /// A status already known (a grant complete without a WR).
+    status: Option<WcStatus>,
+}
+
 /// What a remote-memory WR does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RemoteKind {
@@ -978,16 +989,16 @@ impl MessageQp {
         }
     }
 
-    fn insert_remote(&mut self, wr_id: u64, kind: RemoteKind, local: Option<PoolBuf>) {
+    fn insert_remote(&mut self, wr_id: u64, kind: RemoteKind, op: RemoteEntry) {
         self.remote.insert(
             wr_id,
             RemoteOp {
                 kind,
-                status: None,
+                status: op.status,
                 waker: None,
-                local,
+                local: op.local,
                 abandoned: false,
-                sink: None,
+                sink: op.sink,
             },
         );
     }
@@ -1095,10 +1106,12 @@ impl MessageQp {
         // meanwhile: the future gets it back only after the completion.
         unsafe { self.qp.post_send_batch(&wrs) }?;
         self.ledger.record(wr_id, posted, Some(wr_id));
-        self.insert_remote(wr_id, RemoteKind::Op, Some(local));
-        if let Some(op) = self.remote.get_mut(&wr_id) {
-            op.sink = sink;
-        }
+        let entry = RemoteEntry {
+            local: Some(local),
+            sink,
+            status: None,
+        };
+        self.insert_remote(wr_id, RemoteKind::Op, entry);
         Ok(wr_id)
     }
 
@@ -1258,7 +1271,11 @@ impl MessageQp {
         }?;
         self.grant_windows.insert(wr_id, window);
         self.grant_regions.insert(wr_id, (region.clone(), len));
-        self.insert_remote(wr_id, RemoteKind::Bind { grant: wr_id }, None);
+        self.insert_remote(
+            wr_id,
+            RemoteKind::Bind { grant: wr_id },
+            RemoteEntry::default(),
+        );
         Ok((wr_id, rkey))
     }
 
@@ -1288,10 +1305,11 @@ impl MessageQp {
         let rkey = mr.rkey();
         self.scoped.grants.insert(grant, mr);
         self.grant_regions.insert(grant, (region.clone(), len));
-        self.insert_remote(grant, RemoteKind::Bind { grant }, None);
-        if let Some(op) = self.remote.get_mut(&grant) {
-            op.status = Some(WcStatus::Success);
-        }
+        let done = RemoteEntry {
+            status: Some(WcStatus::Success),
+            ..RemoteEntry::default()
+        };
+        self.insert_remote(grant, RemoteKind::Bind { grant }, done);
         Ok((grant, rkey))
     }
 
@@ -1322,7 +1340,7 @@ impl MessageQp {
         let rkey = window.rkey();
         let wr_id = self.remote_wr_id();
         self.qp.post_local_inv(wr_id, rkey, true)?;
-        self.insert_remote(wr_id, RemoteKind::Revoke { grant }, None);
+        self.insert_remote(wr_id, RemoteKind::Revoke { grant }, RemoteEntry::default());
         if abandoned {
             self.abandon_remote(wr_id);
         }

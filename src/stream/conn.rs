@@ -248,7 +248,7 @@ impl StreamState {
             self.peer_gone = true;
             self.core.on_connection_lost();
             let op = match wc.work {
-                Work::Probe => "keepalive probe (zero-length RDMA WRITE)",
+                Work::Probe => self.qp.rc().probe_op(),
                 RING_BIND => "BIND_MW (grown receive ring)",
                 _ if matches!(wc.kind, WcKind::RecvImm | WcKind::Recv) => "receive",
                 _ => "RDMA WRITE WITH IMM",
@@ -424,6 +424,10 @@ impl Driven for StreamState {
 
     fn alive(&self) -> bool {
         self.error.is_none() && !self.peer_gone
+    }
+
+    fn peer_connected(&self) -> bool {
+        self.alive()
     }
 
     fn failure(&self) -> Option<bool> {

@@ -226,17 +226,32 @@ async fn bind_auto(addr: &TransportAddr, config: &RdmaConfig) -> io::Result<Inne
     }
     // Over iWARP every attempt collides: its listener is a TCP listener
     // (`Error::AutoPortOnIwarp`).
-    let iwarp = crate::verbs::device::devices().is_ok_and(|d| {
-        d.iter()
-            .any(|d| d.transport == crate::verbs::device::RdmaTransport::Iwarp)
-    });
-    if iwarp {
+    if iwarp_serves(addr.host()) {
         return Err(crate::Error::AutoPortOnIwarp {
             addr: addr.to_string(),
         }
         .into());
     }
     Err(last.unwrap_or_else(|| io::Error::other("auto listener: no port free for TCP and RDMA")))
+}
+
+/// Whether an iWARP device serves `host`: the device rdma_cm binds the
+/// address to (`verbs::select_device`), or for a wildcard or a name any
+/// iWARP device present.
+fn iwarp_serves(host: &str) -> bool {
+    use crate::verbs::device::{RdmaTransport, devices, select_device};
+    let Ok(devices) = devices() else {
+        return false;
+    };
+    let is_iwarp = |name: &str| {
+        devices
+            .iter()
+            .any(|d| d.name == name && d.transport == RdmaTransport::Iwarp)
+    };
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) if !ip.is_unspecified() => select_device(ip).is_ok_and(|a| is_iwarp(&a.device)),
+        _ => devices.iter().any(|d| d.transport == RdmaTransport::Iwarp),
+    }
 }
 
 /// The connections a [`Listener`] accepts, as a [`futures::Stream`] of

@@ -647,6 +647,13 @@ impl CmId {
         }
     }
 
+    /// The device port the id is bound to (1-based; 0 before a bind
+    /// resolved a device).
+    pub(crate) fn port_num(&self) -> u8 {
+        // SAFETY: a plain field of the id we own, set by librdmacm.
+        unsafe { self.raw.as_ref().port_num }
+    }
+
     /// Local address (`rdma_get_local_addr`), including the port.
     pub(crate) fn local_addr(&self) -> Option<SocketAddr> {
         // SAFETY: the route's address storage is a sockaddr_storage inside

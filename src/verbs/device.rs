@@ -419,12 +419,57 @@ fn canonical(ip: IpAddr) -> IpAddr {
 }
 
 /// Lists the devices and picks the device/port/GID that serves local address
-/// `ip` (see [`select_from`] for the rule).
+/// `ip` (see [`select_from`] for the rule). An iWARP device's GIDs carry
+/// its MAC address, not an IP address, so when no GID maps `ip` and an
+/// iWARP device is present, rdma_cm decides as it does for a connect or a
+/// listener: an id bound to `ip` (`rdma_bind_addr`, port 0, released at
+/// once) names the device and port whose network device has the address;
+/// the port's first GID is returned.
 ///
 /// # Errors
-/// Those of [`devices`], and [`Error::NoDeviceForAddress`].
+/// Those of [`devices`], and [`Error::NoDeviceForAddress`] when no device
+/// serves `ip`.
 pub fn select_device(ip: IpAddr) -> Result<DeviceAddress, Error> {
-    select_from(&devices()?, ip)
+    let devices = devices()?;
+    match select_from(&devices, ip) {
+        Err(Error::NoDeviceForAddress { .. })
+            if devices.iter().any(|d| d.transport == RdmaTransport::Iwarp) =>
+        {
+            select_bound(&devices, ip)
+        }
+        r => r,
+    }
+}
+
+/// The device and port rdma_cm binds `ip` to, if that is an iWARP device
+/// among `devices` (a RoCE or InfiniBand device would have had a GID for
+/// `ip`: [`select_from`]).
+fn select_bound(devices: &[Device], ip: IpAddr) -> Result<DeviceAddress, Error> {
+    let none = || Error::NoDeviceForAddress {
+        addr: canonical(ip),
+    };
+    let id = super::cm::CmId::new_shared()?;
+    id.bind(std::net::SocketAddr::new(ip, 0))
+        .map_err(|_| none())?;
+    let (name, port_num) = (id.device_name().ok_or_else(none)?, id.port_num());
+    drop(id);
+    let dev = devices
+        .iter()
+        .find(|d| d.name == name && d.transport == RdmaTransport::Iwarp)
+        .ok_or_else(none)?;
+    let port = dev
+        .ports
+        .iter()
+        .find(|p| p.port_num == port_num && p.state == PortState::Active)
+        .ok_or_else(none)?;
+    let gid = port.gids.first().ok_or_else(none)?;
+    Ok(DeviceAddress {
+        device: dev.name.clone(),
+        port_num,
+        gid_index: gid.index,
+        gid_type: gid.gid_type,
+        gid: gid.gid,
+    })
 }
 
 #[cfg(test)]

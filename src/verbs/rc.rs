@@ -79,6 +79,16 @@ pub(crate) struct OpenDevice {
     /// slot and starves the peer's READ responses: two ends reading each
     /// other deadlock. Set on iWARP devices.
     pub(crate) reads_complete_late: bool,
+    /// Whether a send completion only means the WR was handed to the
+    /// transport, not that the peer received it: iWARP (RFC 5040) needs no
+    /// acknowledgement from the responder for a SEND or RDMA WRITE, and
+    /// Soft-iWARP completes them once they are in its TCP socket. Only an
+    /// RDMA READ's completion tells that the peer processed everything
+    /// posted before it (its READ response follows them on the one
+    /// ordered stream, RFC 5040 section 5.5), so there the keepalive probe
+    /// is a zero-length READ and a closing connection waits for one before
+    /// it disconnects ([`RcQueuePair::post_probe`]). Set on iWARP devices.
+    pub(crate) completes_at_transmit: bool,
     /// Whether a CQ armed for solicited events only wakes on a solicited
     /// receive. Soft-iWARP (`siw`, vendor id [`SIW_VENDOR_ID`]) does not:
     /// its receive completions test the CQ's arming as unsolicited
@@ -207,6 +217,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         atomics,
         immediate_data,
         reads_complete_late: !immediate_data,
+        completes_at_transmit: !immediate_data,
         solicited_events,
         _siw_mmap_guard: siw_mmap_guard,
         _counted_pd: Counted::new(Kind::ProtectionDomain),
@@ -873,8 +884,9 @@ pub(crate) struct RcQueuePair {
     qp_num: u32,
     cq: QpCq,
     events: Arc<CqEvents>,
-    /// A keepalive probe was posted and its completion not polled yet.
-    probe_outstanding: bool,
+    /// Keepalive or delivery probes posted whose completions were not
+    /// polled yet.
+    probes_outstanding: u32,
     max_inline: u32,
     /// The QP is on a PD of its own (`RcSizes::own_pd_without_windows` on
     /// a device without windows), not the device's.
@@ -952,7 +964,7 @@ impl RcQueuePair {
             qp_num,
             cq,
             events: Arc::new(events),
-            probe_outstanding: false,
+            probes_outstanding: 0,
             max_inline,
             own_pd,
             pd,
@@ -1193,26 +1205,72 @@ impl RcQueuePair {
         self.modify(&mut attr, mask)
     }
 
-    /// Posts a keepalive probe: a signaled zero-length RDMA WRITE (no data,
-    /// no immediate: it consumes no receive WR at the peer, and IBTA C9-88
-    /// lets a zero-length operation carry no valid key). A peer that is
-    /// gone never acknowledges it, so it completes with RETRY_EXC_ERR after
-    /// the retry bound.
+    /// Posts a probe of the peer: a signaled zero-length RDMA WRITE (no
+    /// data, no immediate: it consumes no receive WR at the peer, and IBTA
+    /// C9-88 lets a zero-length operation carry no valid key). A peer that
+    /// is gone never acknowledges it, so it completes with RETRY_EXC_ERR
+    /// after the retry bound. On a device whose send completions come at
+    /// transmit ([`OpenDevice::completes_at_transmit`], iWARP) the WRITE
+    /// would complete whether or not the peer is there, so the probe is a
+    /// zero-length RDMA READ instead: its completion is the peer's READ
+    /// response, which the peer sends only after it processed every WR
+    /// posted before the READ (RFC 5040 section 5.5), so it also confirms
+    /// their delivery. (One zero-length SGE: siw requires exactly one
+    /// SGE for a READ, checks no key for a zero-length one on either side
+    /// and sends a response with no payload.) Used for keepalive
+    /// ([`Driven::probe`]) and before a clean disconnect on iWARP.
     ///
     /// # Errors
     /// [`Error::Verbs`] with the errno if posting fails.
+    ///
+    /// [`Driven::probe`]: crate::conn::shared::Driven::probe
     pub(crate) fn post_probe(&mut self) -> Result<()> {
-        let mut wr = Self::raw_send_wr(Work::Probe.wr_id(), ibv_wr_opcode::IBV_WR_RDMA_WRITE, true);
-        // SAFETY: no SGEs: the WR names no memory.
-        unsafe { self.post_raw(&mut wr, "ibv_post_send (keepalive probe)") }?;
-        self.probe_outstanding = true;
+        let read = self.device.completes_at_transmit;
+        let opcode = if read {
+            ibv_wr_opcode::IBV_WR_RDMA_READ
+        } else {
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE
+        };
+        let mut wr = Self::raw_send_wr(Work::Probe.wr_id(), opcode, true);
+        let mut sge = ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        if read {
+            wr.sg_list = &mut sge;
+            wr.num_sge = 1;
+        }
+        // SAFETY: the WR names no memory: no SGE, or one of zero bytes
+        // (which the NIC neither reads nor writes); `sge` outlives the
+        // call.
+        unsafe { self.post_raw(&mut wr, "ibv_post_send (probe)") }?;
+        self.probes_outstanding += 1;
         Ok(())
     }
 
-    /// Whether the last keepalive probe has neither completed nor failed
-    /// yet (its completion was not polled).
+    /// What a probe is, to name it in an error.
+    pub(crate) fn probe_op(&self) -> &'static str {
+        if self.device.completes_at_transmit {
+            "keepalive probe (zero-length RDMA READ)"
+        } else {
+            "keepalive probe (zero-length RDMA WRITE)"
+        }
+    }
+
+    /// Whether a completion only says a WR was handed to the transport
+    /// ([`OpenDevice::completes_at_transmit`]): then a clean close first
+    /// waits for a probe, so the peer has every byte before the
+    /// disconnect (Soft-iWARP closes its TCP socket at once on
+    /// disconnect, and the peer lost what was still in flight).
+    pub(crate) fn completes_at_transmit(&self) -> bool {
+        self.device.completes_at_transmit
+    }
+
+    /// Whether a probe has neither completed nor failed yet (its
+    /// completion was not polled).
     pub(crate) fn probe_outstanding(&self) -> bool {
-        self.probe_outstanding
+        self.probes_outstanding > 0
     }
 
     /// Moves the QP to the error state: outstanding WRs complete with
@@ -1376,9 +1434,13 @@ impl RcQueuePair {
     pub(crate) fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
         let start = out.len();
         let polled = self.cq.poll(self.qp_num, out);
-        if out[start..].iter().any(|wc| wc.work == Work::Probe) {
-            self.probe_outstanding = false;
-        }
+        let probes = out[start..]
+            .iter()
+            .filter(|wc| wc.work == Work::Probe)
+            .count();
+        self.probes_outstanding = self
+            .probes_outstanding
+            .saturating_sub(u32::try_from(probes).unwrap_or(u32::MAX));
         polled
     }
 
