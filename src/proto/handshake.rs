@@ -68,8 +68,11 @@ pub const MAGIC: u32 = 0x544B_5244;
 /// bit (a peer that waits for credit arms its CQ for every completion:
 /// [`MessageCore::credit_low`](crate::proto::message::MessageCore::credit_low));
 /// version 9 announces the sender's missing [`Capabilities`] in the flags
-/// byte (iWARP: no immediate data, no windows, no atomics).
-pub const VERSION: u16 = 9;
+/// byte (iWARP: no immediate data, no windows, no atomics); version 10
+/// lets an iWARP initiator open with an empty CREDIT (a message
+/// endpoint's CREDIT of 0 is valid: MPA's initiator sends the first
+/// frame, [`MessageCore::speak_first`](crate::proto::message::MessageCore::speak_first)).
+pub const VERSION: u16 = 10;
 
 /// What the sender's device offers, announced in a [`Hello`]'s flags byte
 /// as what it lacks (bit 0 no immediate data, bit 1 no memory windows,
@@ -602,7 +605,7 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x09, // version
+                0x00, 0x0A, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
@@ -693,13 +696,13 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        for found in [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 10] {
+        for found in [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11] {
             bytes[4..6].copy_from_slice(&found.to_be_bytes());
             assert_eq!(
                 Hello::decode(&bytes),
                 Err(HandshakeError::UnsupportedVersion {
                     found,
-                    supported: 9
+                    supported: 10
                 })
             );
         }
@@ -794,7 +797,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x09, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x0A, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);

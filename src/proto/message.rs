@@ -252,18 +252,15 @@ impl MsgImm {
     /// # Errors
     ///
     /// [`MessageError::UnknownType`] for types `110..=111`;
-    /// [`MessageError::BadImm`] for a CLOSE with non-zero low bits or a
-    /// CREDIT of 0.
+    /// [`MessageError::BadImm`] for a CLOSE with non-zero low bits. (A
+    /// CREDIT of 0 is valid since protocol version 10: an iWARP
+    /// initiator's opening frame, [`MessageCore::speak_first`].)
     pub fn decode(imm: u32) -> Result<MsgImm, MessageError> {
         let low = imm & MAX_IMM_VALUE;
         match imm >> TYPE_SHIFT {
             TYPE_EAGER => Ok(MsgImm::Eager { credit: low }),
             TYPE_RTS => Ok(MsgImm::Rts { seq: low }),
             TYPE_DONE => Ok(MsgImm::Done { seq: low }),
-            TYPE_CREDIT if low == 0 => Err(MessageError::BadImm {
-                imm,
-                reason: "CREDIT returning 0 buffers",
-            }),
             TYPE_CREDIT => Ok(MsgImm::Credit { count: low }),
             TYPE_ABORT => Ok(MsgImm::Abort { code: low }),
             TYPE_CLOSE if low != 0 => Err(MessageError::BadImm {
@@ -324,8 +321,7 @@ impl RtsHeader {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum MessageError {
-    /// A malformed immediate: a CLOSE with non-zero low bits or
-    /// a CREDIT returning 0 buffers.
+    /// A malformed immediate: a CLOSE with non-zero low bits.
     #[error("invalid message immediate {imm:#010x}: {reason}")]
     BadImm {
         /// The immediate as received (host order).
@@ -992,6 +988,9 @@ enum Action {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MessageCore {
     p: MessageParams,
+    /// [`MessageCore::speak_first`]: something goes out at once (a CREDIT
+    /// if nothing else).
+    opening_credit: bool,
 
     // Send side.
     queue: VecDeque<OutboundMessage>,
@@ -1157,6 +1156,7 @@ impl MessageCore {
         )?;
         Ok(MessageCore {
             p,
+            opening_credit: false,
             queue: VecDeque::new(),
             queued_bytes: 0,
             rts_outstanding: VecDeque::new(),
@@ -1445,7 +1445,20 @@ impl MessageCore {
 
     fn credit_due(&self) -> Option<u32> {
         let n = self.creditable();
-        (n >= self.credit_threshold()).then_some(u32::from(n))
+        (self.opening_credit || n >= self.credit_threshold()).then_some(u32::from(n))
+    }
+
+    /// Makes this side transmit at once: a CREDIT (returning what is due
+    /// then, nothing at the start) unless a message goes first. An iWARP
+    /// initiator must send the connection's first frame: MPA's responder
+    /// may not send until it received one (RFC 5044, section 7.1.2;
+    /// Soft-iWARP refuses the MPA reply when a frame follows it in the
+    /// same read), so the accepting side holds its transmits until its
+    /// first receive, and this CREDIT ends that wait even if the
+    /// application on this side only receives. A CREDIT of zero is valid
+    /// anywhere.
+    pub fn speak_first(&mut self) {
+        self.opening_credit = true;
     }
 
     /// Receive buffers the runtime should post beyond those it keeps
@@ -1607,6 +1620,8 @@ impl MessageCore {
     pub fn poll_transmit(&mut self) -> Option<MsgTransmit> {
         self.note_stalls();
         let action = self.next_action()?;
+        // Whatever goes first is the first frame (`speak_first`).
+        self.opening_credit = false;
         let mut always_signal = false;
         let credit = matches!(action, Action::Credit(_));
         let (kind, wr_kind) = match action {

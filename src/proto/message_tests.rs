@@ -1079,16 +1079,6 @@ fn bad_input_each_error_aborts_with_its_code() {
             },
         ),
         (
-            "credit of zero",
-            0x6000_0000,
-            0,
-            vec![],
-            MessageError::BadImm {
-                imm: 0x6000_0000,
-                reason: "CREDIT returning 0 buffers",
-            },
-        ),
-        (
             "eager too long",
             0,
             8193,
@@ -1537,6 +1527,10 @@ fn random_schedule(seed: u64) -> Pair {
     } else {
         Pair::new(a, b)
     };
+    // Every fourth one opens as an iWARP initiator does.
+    if seed % 4 == 0 {
+        pair.s[0].core.speak_first();
+    }
     let total = [rng.range(0, 60), rng.range(0, 60)];
     let big = u64::from(pair.s[A].core.params().eager_max);
     for _ in 0..3000 {

@@ -390,6 +390,9 @@ pub struct StreamCore {
     p: StreamParams,
     credit_bytes_threshold: u32,
     credit_wrs_threshold: u16,
+    /// [`StreamCore::speak_first`]: a CREDIT goes out before anything
+    /// else, due or not.
+    opening_credit: bool,
 
     // Send buffer (ring of p.send_buf_len bytes).
     /// Where `accept_write` copies next.
@@ -556,6 +559,7 @@ impl StreamCore {
             p: params,
             credit_bytes_threshold: credit_bytes_threshold(params.ring_len),
             credit_wrs_threshold: (params.recv_depth / 4).max(2),
+            opening_credit: false,
             sb_write_pos: 0,
             sb_post_pos: 0,
             sb_unposted: 0,
@@ -680,8 +684,22 @@ impl StreamCore {
         self.lost = true;
     }
 
+    /// Makes this side's first transmit a CREDIT (returning what is due
+    /// then, nothing at the start), whatever the application writes. An
+    /// iWARP initiator must send the connection's first frame: MPA's
+    /// responder may not send until it received one (RFC 5044, section
+    /// 7.1.2; Soft-iWARP refuses the MPA reply when a frame follows it in
+    /// the same read), so the accepting side holds its transmits until its
+    /// first receive, and this CREDIT ends that wait even if the
+    /// application on this side only reads (a protocol where the server
+    /// speaks first). A CREDIT of zero is valid anywhere.
+    pub fn speak_first(&mut self) {
+        self.opening_credit = true;
+    }
+
     fn credit_due(&self) -> Option<Action> {
-        if self.bytes_to_return >= self.credit_bytes_threshold
+        if self.opening_credit
+            || self.bytes_to_return >= self.credit_bytes_threshold
             || self.wrs_to_return >= self.credit_wrs_threshold
         {
             Some(Action::Credit {
@@ -783,6 +801,8 @@ impl StreamCore {
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
         self.note_stalls();
         let action = self.next_action()?;
+        // Whatever goes first is the first frame (`speak_first`).
+        self.opening_credit = false;
         let (kind, buf_bytes, always_signal) = match action {
             Action::Data { len } => {
                 debug_assert!(!self.switch_pending, "DATA before SWITCH");

@@ -517,6 +517,27 @@ fn transfer_both_ways(pair: &mut Pair, total: [usize; 2], chunk: [usize; 2], rea
 // ----- basic flow --------------------------------------------------------------
 
 #[test]
+fn speaking_first_sends_an_empty_credit_before_the_data() {
+    let mut pair = Pair::symmetric(Cfg::default());
+    pair.s[A].core.speak_first();
+    assert_eq!(pair.s[A].write(5), 5);
+    assert_eq!(pair.post_all(A), 2);
+    assert_eq!(pair.controls(A), vec![Imm::Credit { wrs: 0, bytes: 0 }]);
+    assert!(matches!(
+        pair.s[A].log[1].kind,
+        TransmitKind::Data { len: 5, .. }
+    ));
+    assert_eq!(pair.deliver_all(A), 2);
+    assert_eq!(pair.s[B].read_some(64), 5);
+    // Only once: the next transmit is data alone.
+    assert_eq!(pair.s[A].write(3), 3);
+    assert_eq!(pair.post_all(A), 1);
+    assert_eq!(pair.controls(A).len(), 1);
+    assert_eq!(pair.deliver_all(A), 1);
+    assert_eq!(pair.s[B].read_some(64), 3);
+}
+
+#[test]
 fn hello_world_and_half_close() {
     let mut pair = Pair::symmetric(Cfg::default());
     assert_eq!(pair.s[A].write(5), 5);
@@ -1806,6 +1827,10 @@ fn random_schedule(seed: u64) -> Pair {
     let mut rng = Rng::new(seed);
     let (a, b) = (random_cfg(&mut rng), random_cfg(&mut rng));
     let mut pair = Pair::new(a, b);
+    // Every fourth schedule opens as an iWARP initiator does.
+    if seed % 4 == 0 {
+        pair.s[A].core.speak_first();
+    }
     let total = [rng.range(0, 20_000) as usize, rng.range(0, 20_000) as usize];
     let max_chunk = [rng.range(1, 6000) as usize, rng.range(1, 6000) as usize];
     for step in 0..4000 {
