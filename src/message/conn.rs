@@ -503,7 +503,9 @@ impl MsgState {
                 self.allocate();
             }
             let mut posted = false;
-            if !self.peer_closed && !self.closing {
+            // An iWARP responder sends nothing before the initiator's
+            // first frame (`RcQueuePair::awaiting_initiator`).
+            if !self.peer_closed && !self.closing && !self.qp.qp_ref().awaiting_initiator() {
                 // A message delivered before more is read: rxe runs an RDMA
                 // READ inside its post when both ends share the device, so
                 // a drain that read every rendezvous it knew of held the

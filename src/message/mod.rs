@@ -48,6 +48,11 @@
 //! completed, so the core sees completions in post order. (A fence,
 //! `IBV_SEND_FENCE`, deadlocked two ends reading each other on siw: its
 //! fenced WQE holds the transmit slot the peer's READ responses need.)
+//! MPA's initiator sends the first frame: the connecting endpoint sends a
+//! CREDIT at once (`MessageCore::speak_first`) and the accepting one posts
+//! nothing before its first receive. A completion there only means the WR
+//! was handed to TCP, so a closing endpoint waits for a zero-length RDMA
+//! READ before it disconnects.
 //!
 //! # Ports
 //!
@@ -512,7 +517,10 @@ impl Setup for MessageSetup {
         params.max_rendezvous_in_flight = params
             .max_rendezvous_in_flight
             .min(est.peer.max_rendezvous_in_flight);
-        let core = MessageCore::new(params)?;
+        let mut core = MessageCore::new(params)?;
+        if est.qp.qp.qp_ref().speaks_first() {
+            core.speak_first();
+        }
         let pool = est.qp.pool.clone();
         Ok((conn::start(est, core, &self.0)?, pool))
     }

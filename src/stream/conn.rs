@@ -100,6 +100,11 @@ impl StreamState {
     /// rings the core no longer uses and offering a larger one when the
     /// core wants it (its GRANT goes out in this same call).
     fn transmit(&mut self) {
+        // An iWARP responder sends nothing before the initiator's first
+        // frame (`RcQueuePair::awaiting_initiator`).
+        if self.qp.rc().awaiting_initiator() {
+            return;
+        }
         self.qp.retire_rings_before(self.core.oldest_ring());
         // The window bind goes on an idle send queue only: no WR before it
         // can then be resent after a loss. (rxe on Linux 6.1 stopped a QP
@@ -842,8 +847,11 @@ pub(crate) fn start(est: Established<StreamQp>, cfg: &RdmaConfig) -> Result<Hand
             "device has no immediate data (iWARP): each message's immediate follows its RDMA WRITE in a 4-byte SEND"
         );
     }
-    let core =
+    let mut core =
         StreamCore::new(cfg.stream_params(est.peer.ring_len, est.peer.recv_depth, max_inline))?;
+    if est.qp.rc().speaks_first() {
+        core.speak_first();
+    }
     let state = StreamState {
         core,
         qp: est.qp,

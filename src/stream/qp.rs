@@ -33,7 +33,11 @@
 //! completion an RDMA WRITE WITH IMM would have given, so nothing above
 //! this adapter tells the transports apart. rsocket's iWARP mode moves its
 //! data the same way. The peer learns the mode in the handshake
-//! (`Capabilities::immediate_data`), which refuses a mismatch.
+//! (`Capabilities::immediate_data`), which refuses a mismatch. MPA's
+//! initiator sends the first frame (RFC 5044): the connecting side opens
+//! with a CREDIT (`StreamCore::speak_first`) and the accepting side's
+//! connection posts nothing before its first receive
+//! (`RcQueuePair::awaiting_initiator`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};

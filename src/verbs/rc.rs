@@ -89,6 +89,19 @@ pub(crate) struct OpenDevice {
     /// is a zero-length READ and a closing connection waits for one before
     /// it disconnects ([`RcQueuePair::post_probe`]). Set on iWARP devices.
     pub(crate) completes_at_transmit: bool,
+    /// Whether the connection's initiator must send its first frame:
+    /// MPA's responder may not send before it received one (RFC 5044,
+    /// section 7.1.2), because the initiator tells the MPA reply from the
+    /// frames after it only by that order (Soft-iWARP refuses a reply
+    /// followed by a frame in the same read: `siw_recv_mpa_rr`, "peer
+    /// sent extra data", and the connect fails). Set on iWARP devices
+    /// ([`RcQueuePair::awaiting_initiator`], [`RcQueuePair::speaks_first`]).
+    pub(crate) initiator_sends_first: bool,
+    /// Whether `rdma_connect` blocks until the transport connection is up:
+    /// iWARP's kernel CM makes its TCP connection inside the call
+    /// (`siw_connect` connects its socket blocking). Such a connect runs
+    /// off the runtime (`conn::setup`). Set on iWARP devices.
+    pub(crate) connect_blocks: bool,
     /// Whether a CQ armed for solicited events only wakes on a solicited
     /// receive. Soft-iWARP (`siw`, vendor id [`SIW_VENDOR_ID`]) does not:
     /// its receive completions test the CQ's arming as unsolicited
@@ -218,6 +231,8 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         immediate_data,
         reads_complete_late: !immediate_data,
         completes_at_transmit: !immediate_data,
+        initiator_sends_first: !immediate_data,
+        connect_blocks: !immediate_data,
         solicited_events,
         _siw_mmap_guard: siw_mmap_guard,
         _counted_pd: Counted::new(Kind::ProtectionDomain),
@@ -887,6 +902,10 @@ pub(crate) struct RcQueuePair {
     /// Keepalive or delivery probes posted whose completions were not
     /// polled yet.
     probes_outstanding: u32,
+    /// This side connected (rdma_cm's active side), rather than accepted.
+    initiator: bool,
+    /// A receive WR completed successfully: the peer has sent a frame.
+    heard_from_peer: bool,
     max_inline: u32,
     /// The QP is on a PD of its own (`RcSizes::own_pd_without_windows` on
     /// a device without windows), not the device's.
@@ -965,6 +984,8 @@ impl RcQueuePair {
             cq,
             events: Arc::new(events),
             probes_outstanding: 0,
+            initiator: false,
+            heard_from_peer: false,
             max_inline,
             own_pd,
             pd,
@@ -1225,6 +1246,10 @@ impl RcQueuePair {
     ///
     /// [`Driven::probe`]: crate::conn::shared::Driven::probe
     pub(crate) fn post_probe(&mut self) -> Result<()> {
+        if self.awaiting_initiator() {
+            // Nothing may go out yet; the peer is there (it connected).
+            return Ok(());
+        }
         let read = self.device.completes_at_transmit;
         let opcode = if read {
             ibv_wr_opcode::IBV_WR_RDMA_READ
@@ -1247,6 +1272,28 @@ impl RcQueuePair {
         unsafe { self.post_raw(&mut wr, "ibv_post_send (probe)") }?;
         self.probes_outstanding += 1;
         Ok(())
+    }
+
+    /// Marks this QP's side as the connection's initiator (rdma_cm's
+    /// active side); an accepted QP is the responder.
+    pub(crate) fn set_initiator(&mut self) {
+        self.initiator = true;
+    }
+
+    /// Whether this side must post nothing yet: the responder on a device
+    /// whose initiator sends first ([`OpenDevice::initiator_sends_first`],
+    /// iWARP) before its first receive completed. The QP adapters leave
+    /// their work queued in the protocol core until then, and
+    /// [`post_probe`](Self::post_probe) posts nothing.
+    pub(crate) fn awaiting_initiator(&self) -> bool {
+        self.device.initiator_sends_first && !self.initiator && !self.heard_from_peer
+    }
+
+    /// Whether this side must send the connection's first frame at once,
+    /// whatever its application does: the initiator on a device whose
+    /// initiator sends first (the core's `speak_first`).
+    pub(crate) fn speaks_first(&self) -> bool {
+        self.device.initiator_sends_first && self.initiator
     }
 
     /// What a probe is, to name it in an error.
@@ -1434,6 +1481,11 @@ impl RcQueuePair {
     pub(crate) fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
         let start = out.len();
         let polled = self.cq.poll(self.qp_num, out);
+        if !self.heard_from_peer {
+            self.heard_from_peer = out[start..]
+                .iter()
+                .any(|wc| matches!(wc.work, Work::Recv(_)) && wc.ok());
+        }
         let probes = out[start..]
             .iter()
             .filter(|wc| wc.work == Work::Probe)
