@@ -562,9 +562,9 @@ async fn i_a_host_that_does_not_exist_is_a_typed_error() {
 /// `Error::TimedOut` at `ConnectStage::AwaitingReply` within the connect
 /// timeout (3 s here; asserted against a liveness ceiling), naming the
 /// address and leaving no verbs objects or fds behind; once the wire heals,
-/// the same listener accepts and echoes. (On iWARP the timed-out connect's
-/// kernel TCP connect goes on and may reach the listener first: one reset
-/// connection is allowed there.)
+/// the same listener accepts and echoes. (On iWARP the connect is TCP's,
+/// inside rdma_connect: it ends after TCP's SYN retries, about 130 s; one
+/// reset connection is allowed there.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_a_connect_across_a_partition_times_out() {
     const PORT: u16 = 7810;
@@ -621,8 +621,16 @@ async fn j_a_connect_across_a_partition_times_out() {
                 "{err:?}"
             );
             assert!(err.to_string().contains("10.12.0.1:7810"), "{err}");
+            // iWARP connects its TCP connection inside rdma_connect, which
+            // the connect timeout cannot cut short: TCP's SYN retries
+            // (tcp_syn_retries 6: about 130 s) bound it there.
+            let ceiling = if common::iwarp() {
+                Duration::from_secs(200)
+            } else {
+                timeout * 3 + Duration::from_secs(5)
+            };
             assert!(
-                took < timeout * 3 + Duration::from_secs(5),
+                took < ceiling,
                 "the connect gave up after {took:?} (timeout {timeout:?})"
             );
             assert_back_to(start, fds, 2, Duration::from_secs(60)).await;

@@ -97,11 +97,6 @@ pub(crate) struct OpenDevice {
     /// sent extra data", and the connect fails). Set on iWARP devices
     /// ([`RcQueuePair::awaiting_initiator`], [`RcQueuePair::speaks_first`]).
     pub(crate) initiator_sends_first: bool,
-    /// Whether `rdma_connect` blocks until the transport connection is up:
-    /// iWARP's kernel CM makes its TCP connection inside the call
-    /// (`siw_connect` connects its socket blocking). Such a connect runs
-    /// off the runtime (`conn::setup`). Set on iWARP devices.
-    pub(crate) connect_blocks: bool,
     /// Whether a CQ armed for solicited events only wakes on a solicited
     /// receive. Soft-iWARP (`siw`, vendor id [`SIW_VENDOR_ID`]) does not:
     /// its receive completions test the CQ's arming as unsolicited
@@ -232,7 +227,6 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         reads_complete_late: !immediate_data,
         completes_at_transmit: !immediate_data,
         initiator_sends_first: !immediate_data,
-        connect_blocks: !immediate_data,
         solicited_events,
         _siw_mmap_guard: siw_mmap_guard,
         _counted_pd: Counted::new(Kind::ProtectionDomain),
