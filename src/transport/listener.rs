@@ -239,7 +239,7 @@ async fn bind_auto(addr: &TransportAddr, config: &RdmaConfig) -> io::Result<Inne
 /// address to (`verbs::select_device`), or for a wildcard or a name any
 /// iWARP device present.
 fn iwarp_serves(host: &str) -> bool {
-    use crate::verbs::device::{RdmaTransport, devices, select_device};
+    use crate::verbs::device::{RdmaTransport, devices, select_among};
     let Ok(devices) = devices() else {
         return false;
     };
@@ -249,7 +249,9 @@ fn iwarp_serves(host: &str) -> bool {
             .any(|d| d.name == name && d.transport == RdmaTransport::Iwarp)
     };
     match host.parse::<std::net::IpAddr>() {
-        Ok(ip) if !ip.is_unspecified() => select_device(ip).is_ok_and(|a| is_iwarp(&a.device)),
+        Ok(ip) if !ip.is_unspecified() => {
+            select_among(&devices, ip).is_ok_and(|a| is_iwarp(&a.device))
+        }
         _ => devices.iter().any(|d| d.transport == RdmaTransport::Iwarp),
     }
 }

@@ -430,12 +430,16 @@ fn canonical(ip: IpAddr) -> IpAddr {
 /// Those of [`devices`], and [`Error::NoDeviceForAddress`] when no device
 /// serves `ip`.
 pub fn select_device(ip: IpAddr) -> Result<DeviceAddress, Error> {
-    let devices = devices()?;
-    match select_from(&devices, ip) {
+    select_among(&devices()?, ip)
+}
+
+/// [`select_device`] over a device list already read.
+pub(crate) fn select_among(devices: &[Device], ip: IpAddr) -> Result<DeviceAddress, Error> {
+    match select_from(devices, ip) {
         Err(Error::NoDeviceForAddress { .. })
             if devices.iter().any(|d| d.transport == RdmaTransport::Iwarp) =>
         {
-            select_bound(&devices, ip)
+            select_bound(devices, ip)
         }
         r => r,
     }
