@@ -180,9 +180,12 @@ pub enum Error {
     },
 
     /// rdma_cm could not resolve an address or route to `addr` (status is
-    /// the negative errno of the ADDR_ERROR/ROUTE_ERROR event). Maps to
-    /// [`io::ErrorKind::HostUnreachable`], or `NotFound` when no RDMA device
-    /// routes to it (ENODEV).
+    /// the negative errno of the ADDR_ERROR/ROUTE_ERROR event), or, on
+    /// iWARP, the TCP connect inside rdma_connect lost its neighbour or
+    /// route (`EHOSTUNREACH`, `ENETUNREACH`). Maps to
+    /// [`io::ErrorKind::HostUnreachable`], `NetworkUnreachable` for
+    /// `ENETUNREACH` (as `TcpStream::connect`), or `NotFound` when no RDMA
+    /// device routes to it (ENODEV).
     #[error("no RDMA route to {addr}: {source}")]
     Unreachable {
         /// The address that was dialled.
@@ -456,6 +459,7 @@ impl Error {
             Error::InvalidConfig { .. } => io::ErrorKind::InvalidInput,
             Error::Unreachable { source, .. } => match source.raw_os_error() {
                 Some(libc::ENODEV) => io::ErrorKind::NotFound,
+                Some(libc::ENETUNREACH) => io::ErrorKind::NetworkUnreachable,
                 _ => io::ErrorKind::HostUnreachable,
             },
             Error::RemoteAccess { status, .. } => match status {

@@ -379,21 +379,7 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     // a backlog slot (guest_stream's backlog test) or being accepted as a
     // connection that reset.
     id.connect(qp.as_mut().qp_num(), &hello.encode(), setup.read_depth())
-        .map_err(|e| match e {
-            // iWARP connects its TCP connection inside rdma_connect: no
-            // listener there is refused at once, as TCP's connect is ...
-            Error::Verbs { source, .. } if source.raw_os_error() == Some(libc::ECONNREFUSED) => {
-                Error::ConnectionRefused { addr }
-            }
-            // ... and a TCP connect nobody answered times out there.
-            Error::Verbs { source, .. } if source.raw_os_error() == Some(libc::ETIMEDOUT) => {
-                Error::TimedOut {
-                    addr,
-                    stage: ConnectStage::AwaitingReply,
-                }
-            }
-            e => e,
-        })?;
+        .map_err(|e| connect_call_error(e, addr))?;
     stage.set(ConnectStage::AwaitingReply);
     // InfiniBand and RoCE answer with CONNECT_RESPONSE, after which this
     // side moves the QP to RTS and sends the RTU (rdma_establish). iWARP's
@@ -586,6 +572,31 @@ async fn established(
     Ok(true)
 }
 
+/// The error of the rdma_connect call itself. On InfiniBand and RoCE it
+/// only sends the CM REQ; iWARP makes its TCP connection inside the call
+/// (Soft-iWARP's `siw_connect` connects its kernel socket blocking), so
+/// the call ends as TCP's connect does: refused at once when nothing
+/// listens there, `ETIMEDOUT` when no SYN was answered, `EHOSTUNREACH` or
+/// `ENETUNREACH` when the neighbour (ARP) or the route went away while it
+/// retried.
+fn connect_call_error(e: Error, addr: SocketAddr) -> Error {
+    match e {
+        Error::Verbs { source, .. } => match source.raw_os_error() {
+            Some(libc::ECONNREFUSED) => Error::ConnectionRefused { addr },
+            Some(libc::ETIMEDOUT) => Error::TimedOut {
+                addr,
+                stage: ConnectStage::AwaitingReply,
+            },
+            Some(libc::EHOSTUNREACH | libc::ENETUNREACH) => Error::Unreachable { addr, source },
+            _ => Error::Verbs {
+                op: "rdma_connect",
+                source,
+            },
+        },
+        e => e,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -617,6 +628,49 @@ mod tests {
              connect request (the peer host is down, partitioned away or drops RoCE traffic \
              on UDP 4791)"
         );
+    }
+
+    #[test]
+    fn the_connect_call_fails_as_tcp_connect_does_on_iwarp() {
+        let call = |errno| Error::Verbs {
+            op: "rdma_connect",
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        let e = connect_call_error(call(libc::ECONNREFUSED), addr());
+        assert!(matches!(e, Error::ConnectionRefused { .. }), "{e:?}");
+        let e = connect_call_error(call(libc::ETIMEDOUT), addr());
+        assert!(
+            matches!(
+                e,
+                Error::TimedOut {
+                    stage: ConnectStage::AwaitingReply,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        for (errno, kind) in [
+            (libc::EHOSTUNREACH, std::io::ErrorKind::HostUnreachable),
+            (libc::ENETUNREACH, std::io::ErrorKind::NetworkUnreachable),
+        ] {
+            let e = connect_call_error(call(errno), addr());
+            match &e {
+                Error::Unreachable { source, addr: a } => {
+                    assert_eq!(source.raw_os_error(), Some(errno));
+                    assert_eq!(*a, addr());
+                }
+                e => panic!("{e:?}"),
+            }
+            assert_eq!(std::io::Error::from(e).kind(), kind);
+        }
+        let e = connect_call_error(call(libc::EINVAL), addr());
+        match e {
+            Error::Verbs { op, source } => {
+                assert_eq!(op, "rdma_connect");
+                assert_eq!(source.raw_os_error(), Some(libc::EINVAL));
+            }
+            e => panic!("{e:?}"),
+        }
     }
 
     #[test]
