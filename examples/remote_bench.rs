@@ -12,7 +12,10 @@
 //! p99 in microseconds; perftest's READ and atomic latencies are whole
 //! round trips, like ours). Bandwidth: `--bytes` in 64 KiB operations with
 //! 16 in flight (the endpoint's remote slots), in 10^6 bytes/s, against
-//! perftest's 64 KiB runs of the same count. CPU: the client process's
+//! perftest's 64 KiB runs of the same count. Batched: the same bytes in
+//! 4 KiB WRITEs posted 16 per doorbell (`MessageEndpoint::transfer`)
+//! against `ib_write_bw -s 4096 -t 16 --post_list 16` (16 in flight
+//! both). CPU: the client process's
 //! CPU time per operation (10 ms ticks of /proc/self/stat); the server's
 //! CPU time while serving is printed by the server.
 
@@ -25,7 +28,7 @@ use clap::Parser;
 use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
-use tokio_rdma::remote::{GrantAccess, LocalRegion, RemoteRegion};
+use tokio_rdma::remote::{GrantAccess, LocalRegion, MAX_TRANSFER_BATCH, RemoteRegion, Transfer};
 use tokio_rdma::{MessageEndpoint, MessageListener};
 
 #[path = "shared/cpu.rs"]
@@ -41,6 +44,8 @@ mod perftest;
 const OP: usize = 64 * 1024;
 /// Operations in flight for bandwidth (the endpoint's remote slots).
 const IN_FLIGHT: usize = 16;
+/// Bytes of one batched WRITE.
+const SMALL: usize = 4096;
 
 #[derive(Parser)]
 #[command(about = "One-sided RDMA READ/WRITE/atomics vs perftest")]
@@ -139,6 +144,7 @@ struct Figures {
     fadd_lat: Lat,
     read_bw: Bw,
     write_bw: Bw,
+    batch_bw: Bw,
 }
 
 async fn measure(
@@ -204,11 +210,34 @@ async fn measure(
     }
     let write_bw = bws.pop().expect("two runs");
     let read_bw = bws.pop().expect("two runs");
+    // 4 KiB WRITEs, MAX_TRANSFER_BATCH per doorbell, one batch at a time
+    // (a batch takes every remote slot).
+    let small = pattern::pattern_vec(3, SMALL);
+    let batch: Vec<Transfer<'_>> = (0..MAX_TRANSFER_BATCH)
+        .map(|k| Transfer::Write {
+            remote,
+            offset: (k * SMALL) as u64,
+            data: &small,
+        })
+        .collect();
+    let batches = (bytes as usize).div_ceil(SMALL * MAX_TRANSFER_BATCH);
+    let cpu0 = cpu::cpu_us();
+    let t0 = Instant::now();
+    for _ in 0..batches {
+        ep.transfer(&batch).await.map_err(e)?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let ops = batches * MAX_TRANSFER_BATCH;
+    let batch_bw = Bw {
+        mb_s: (ops * SMALL) as f64 / secs / 1e6,
+        cpu_us: (cpu::cpu_us() - cpu0) as f64 / ops as f64,
+    };
     Ok(Figures {
         read_lat,
         fadd_lat,
         read_bw,
         write_bw,
+        batch_bw,
     })
 }
 
@@ -320,7 +349,11 @@ fn main() -> ExitCode {
     let iters = args.iters.to_string();
     let ev: &[&str] = if args.events { &["-e"] } else { &[] };
     let ops = (args.bytes as usize).div_ceil(OP).to_string();
-    let (read_lat, atomic_lat, read_bw, write_bw) = rt.block_on(async {
+    let small_ops = ((args.bytes as usize).div_ceil(SMALL * MAX_TRANSFER_BATCH)
+        * MAX_TRANSFER_BATCH)
+        .to_string();
+    let batch = MAX_TRANSFER_BATCH.to_string();
+    let (read_lat, atomic_lat, read_bw, write_bw, batch_bw) = rt.block_on(async {
         let read_lat = perftest::run(
             "ib_read_lat",
             &with(&[&["-s", "8", "-n", &iters][..], ev].concat()),
@@ -353,7 +386,24 @@ fn main() -> ExitCode {
         )
         .await
         .and_then(|o| perftest::bw_mb_per_s(&o));
-        (read_lat, atomic_lat, read_bw, write_bw)
+        let batch_bw = perftest::run(
+            "ib_write_bw",
+            &with(&[
+                "-s",
+                "4096",
+                "-t",
+                &batch,
+                "--post_list",
+                &batch,
+                "-n",
+                &small_ops,
+            ]),
+            args.addr,
+            18624,
+        )
+        .await
+        .and_then(|o| perftest::bw_mb_per_s(&o));
+        (read_lat, atomic_lat, read_bw, write_bw, batch_bw)
     });
     // Latency rows: #bytes #iter t_min t_max t_typical t_avg t_stdev 99% 99.9%.
     let col = |r: &Option<Vec<f64>>, i: usize| r.as_ref().and_then(|v| v.get(i).copied());
@@ -396,8 +446,12 @@ fn main() -> ExitCode {
         }
     }
     println!();
-    println!("bandwidth, 64 KiB ops  runtime          MB/s   CPU us/op   ratio");
-    for (name, r) in [("ib_read_bw", read_bw), ("ib_write_bw", write_bw)] {
+    println!("bandwidth              runtime          MB/s   CPU us/op   ratio");
+    for (name, r) in [
+        ("ib_read_bw 64 KiB", read_bw),
+        ("ib_write_bw 64 KiB", write_bw),
+        ("ib_write_bw 4K pl16", batch_bw),
+    ] {
         match r {
             Some(b) => println!(
                 "  {name:<20} {:<14} {b:>7.1}          -    1.00",
@@ -413,8 +467,9 @@ fn main() -> ExitCode {
             "current_thread"
         };
         for (name, b, reference) in [
-            ("READ", &f.read_bw, read_bw),
-            ("WRITE", &f.write_bw, write_bw),
+            ("READ 64 KiB", &f.read_bw, read_bw),
+            ("WRITE 64 KiB", &f.write_bw, write_bw),
+            ("WRITE 4 KiB x16", &f.batch_bw, batch_bw),
         ] {
             println!(
                 "  {name:<20} {rt:<14} {:>7.1} {:>10.1} {:>7}",

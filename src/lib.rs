@@ -68,7 +68,7 @@ pub mod verbs;
 
 pub use config::{RdmaConfig, WaitStrategy};
 pub use error::Error;
-pub use message::{MessageConfig, MessageEndpoint, MessageListener};
+pub use message::{Incoming, MessageConfig, MessageEndpoint, MessageListener};
 pub use pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes};
 pub use stats::{ConnectionStats, RemoteAccess, ResourceSnapshot};
 pub use stream::{

@@ -17,7 +17,14 @@
 //!   [`write`](crate::MessageEndpoint::write),
 //!   [`compare_swap`](crate::MessageEndpoint::compare_swap) and
 //!   [`fetch_add`](crate::MessageEndpoint::fetch_add) on its endpoint
-//!   with that `RemoteRegion`.
+//!   with that `RemoteRegion`;
+//!   [`write_notify`](crate::MessageEndpoint::write_notify) writes and
+//!   tells the owner, which receives a [`Notification`] in order with the
+//!   writer's messages
+//!   ([`recv_incoming`](crate::MessageEndpoint::recv_incoming));
+//!   [`transfer`](crate::MessageEndpoint::transfer) posts up to
+//!   [`MAX_TRANSFER_BATCH`] READs and WRITEs ([`Transfer`]) with one
+//!   doorbell and one signaled completion.
 //!
 //! # What a peer can and cannot do
 //!
@@ -281,6 +288,53 @@ impl LocalRegion {
     }
 }
 
+/// Most operations one [`MessageEndpoint::transfer`](crate::MessageEndpoint::transfer)
+/// batch posts: the send-queue slots a connection keeps for remote
+/// memory, 16.
+pub const MAX_TRANSFER_BATCH: usize = 16;
+
+/// One operation of a batch posted with one doorbell
+/// ([`MessageEndpoint::transfer`](crate::MessageEndpoint::transfer)).
+#[derive(Debug, Clone, Copy)]
+pub enum Transfer<'a> {
+    /// RDMA READ of `len` bytes (at most 2 GiB) at `offset` of `remote`
+    /// (a grant with READ access).
+    Read {
+        /// The peer's grant.
+        remote: &'a RemoteRegion,
+        /// Offset in the grant, bytes.
+        offset: u64,
+        /// Bytes to read.
+        len: usize,
+    },
+    /// RDMA WRITE of `data` (at most 2 GiB) at `offset` of `remote` (a
+    /// grant with WRITE access).
+    Write {
+        /// The peer's grant.
+        remote: &'a RemoteRegion,
+        /// Offset in the grant, bytes.
+        offset: u64,
+        /// The bytes to write (copied into pool memory first).
+        data: &'a [u8],
+    },
+}
+
+/// What [`MessageEndpoint::write_notify`](crate::MessageEndpoint::write_notify)
+/// tells the owner of the memory it wrote: the writer's `value` and how
+/// many bytes it wrote, handed out by
+/// [`MessageEndpoint::recv_incoming`](crate::MessageEndpoint::recv_incoming)
+/// in order with the writer's messages. The bytes are in place when it
+/// arrives (RC ordering: IBTA vol. 1, 9.5; RFC 5040, 5.5 on iWARP); where
+/// they went is for the two applications to agree on (the value can name
+/// a slot, for example).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Notification {
+    /// The writer's value, `0..2^29`.
+    pub value: u32,
+    /// Bytes written, `0..=2^31`.
+    pub len: u32,
+}
+
 /// The peer's side of a grant: `len` bytes at virtual address `addr` of
 /// the granting process, reached with remote key `rkey` through the one
 /// connection the grant was bound on, with `access`.
@@ -294,6 +348,51 @@ pub struct RemoteRegion {
     len: u64,
     rkey: u32,
     access: GrantAccess,
+}
+
+/// With feature `serde`: a [`RemoteRegion`] serializes as its 24-byte wire
+/// form ([`RemoteRegion::encode`]; bytes, or a sequence of 24 numbers in
+/// formats without bytes such as JSON) and deserializes through
+/// [`RemoteRegion::decode`], so a peer's malformed region is an error of
+/// the format, never a region.
+#[cfg(feature = "serde")]
+impl serde::Serialize for RemoteRegion {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(&self.encode())
+    }
+}
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for RemoteRegion {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Wire;
+        impl<'de> serde::de::Visitor<'de> for Wire {
+            type Value = RemoteRegion;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(
+                    f,
+                    "the {REMOTE_REGION_LEN}-byte wire form of a remote region"
+                )
+            }
+            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<RemoteRegion, E> {
+                RemoteRegion::decode(v).map_err(E::custom)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<RemoteRegion, A::Error> {
+                let mut bytes = Vec::with_capacity(REMOTE_REGION_LEN);
+                while let Some(b) = seq.next_element::<u8>()? {
+                    if bytes.len() > REMOTE_REGION_LEN {
+                        break;
+                    }
+                    bytes.push(b);
+                }
+                RemoteRegion::decode(&bytes).map_err(serde::de::Error::custom)
+            }
+        }
+        deserializer.deserialize_bytes(Wire)
+    }
 }
 
 /// Bytes of [`RemoteRegion::encode`]'s wire form.
@@ -549,6 +648,31 @@ mod tests {
             RemoteRegion::decode(&over),
             Err(RemoteRegionError::Overflow)
         );
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn serde_carries_the_wire_form_and_checks_it_on_the_way_in() {
+        let r = RemoteRegion::new(0x7f00_0000_1000, 96, 0xA1B2_C3D4, GrantAccess::WRITE);
+        let json = serde_json::to_string(&r).unwrap();
+        // JSON has no bytes: the 24 bytes as numbers.
+        assert_eq!(
+            json,
+            "[1,2,0,0,212,195,178,161,0,16,0,0,0,127,0,0,96,0,0,0,0,0,0,0]"
+        );
+        assert_eq!(serde_json::from_str::<RemoteRegion>(&json).unwrap(), r);
+        // A peer's bad region: an error of the format, never a region.
+        let version_2 = json.replacen("[1,", "[2,", 1);
+        let e = serde_json::from_str::<RemoteRegion>(&version_2).unwrap_err();
+        assert!(
+            e.to_string().contains("unknown remote region version 2"),
+            "{e}"
+        );
+        let short = "[1,2,0,0]";
+        let e = serde_json::from_str::<RemoteRegion>(short).unwrap_err();
+        assert!(e.to_string().contains("is 24 bytes, got 4"), "{e}");
+        let long = json.replacen(']', ",0,0]", 1);
+        assert!(serde_json::from_str::<RemoteRegion>(&long).is_err());
     }
 
     #[test]

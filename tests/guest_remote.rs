@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_rdma::remote::{GrantAccess, LocalRegion, RemoteRegion};
-use tokio_rdma::{Error, MessageConfig, MessageEndpoint};
+use tokio_rdma::remote::{MAX_TRANSFER_BATCH, Notification, Transfer};
+use tokio_rdma::{Error, Incoming, MessageConfig, MessageEndpoint};
 
 mod common;
 
@@ -455,4 +456,252 @@ async fn a_peer_killed_during_reads_and_writes_fails_them_typed_and_frees_everyt
         }
         fds_after_first = Some(fds);
     }
+}
+
+/// `write_notify`: each write's bytes are in place when its notification
+/// arrives, and notifications come in order with the writer's messages
+/// (sizes 0 B to 64 KiB + 3 at unaligned offsets); `recv` leaves a
+/// notification in place with `InvalidData`; bad input fails locally and
+/// posts nothing; a revoked grant fails the writer with a remote access
+/// error and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_notify_lands_before_its_notification_in_message_order() {
+    const SLOT: usize = 70_000;
+    const ITEMS: usize = 48;
+    let (client, server) = pair().await;
+    let reg = region(&server, SLOT * ITEMS, 7).await;
+    let grant = server
+        .grant(&reg, 0..reg.len(), GrantAccess::WRITE)
+        .await
+        .expect("grant");
+    let remote = grant.remote();
+
+    // A notification first: `recv` refuses it and leaves it in place.
+    client.write_notify(&remote, 1, b"first", 77).await.unwrap();
+    let e = server.recv().await.unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+    match server.recv_incoming().await.unwrap() {
+        Some(Incoming::Notification(n)) => assert_eq!(n, Notification { value: 77, len: 5 }),
+        other => panic!("{other:?}"),
+    }
+    let mut first = [0u8; 5];
+    reg.read_at(1, &mut first).unwrap();
+    assert_eq!(&first, b"first");
+
+    let sizes = [0usize, 1, 63, 4096, 4097, 65_539];
+    let writer = async {
+        for i in 0..ITEMS {
+            let len = sizes[i % sizes.len()];
+            let data = shared::pattern_vec(100 + i as u64, len);
+            if i % 3 == 2 {
+                client.send_copy(&data).await.unwrap();
+            } else {
+                let offset = (i * SLOT + i % 7) as u64;
+                client
+                    .write_notify(&remote, offset, &data, i as u32)
+                    .await
+                    .unwrap();
+            }
+        }
+        client.flush().await.unwrap();
+    };
+    let reader = async {
+        for i in 0..ITEMS {
+            let len = sizes[i % sizes.len()];
+            let data = shared::pattern_vec(100 + i as u64, len);
+            match server.recv_incoming().await.unwrap() {
+                Some(Incoming::Message(m)) => {
+                    assert_eq!(i % 3, 2, "item {i} came as a message");
+                    assert!(m[..] == data[..], "message {i}");
+                }
+                Some(Incoming::Notification(n)) => {
+                    assert_ne!(i % 3, 2, "item {i} came as a notification");
+                    assert_eq!(
+                        n,
+                        Notification {
+                            value: i as u32,
+                            len: len as u32
+                        }
+                    );
+                    let mut landed = vec![0u8; len];
+                    reg.read_at(i * SLOT + i % 7, &mut landed).unwrap();
+                    assert!(landed == data, "write {i} in place");
+                }
+                None => panic!("the end before item {i}"),
+            }
+        }
+    };
+    tokio::join!(writer, reader);
+    let (c, s) = (client.stats(), server.stats());
+    assert_eq!(c.notifications_sent, 1 + 32);
+    assert_eq!(s.notifications_received, 1 + 32);
+    assert_eq!(s.messages_received, 16);
+
+    // Bad input: nothing posted.
+    let before = client.stats().wrs_posted;
+    for (offset, len, value) in [
+        (0u64, 8usize, 1u32 << 29),
+        (remote.len() - 4, 8, 1),
+        (remote.len() + 1, 0, 1),
+    ] {
+        let e = client
+            .write_notify(&remote, offset, &vec![1u8; len], value)
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    }
+    let read_only = server
+        .grant(&reg, 0..64, GrantAccess::READ)
+        .await
+        .expect("grant");
+    let e = client
+        .write_notify(&read_only.remote(), 0, b"x", 1)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    assert_eq!(client.stats().wrs_posted, before);
+
+    // A revoked grant: the writer fails typed, nothing lands, and the
+    // owner gets no notification.
+    let mut head = vec![0u8; 64];
+    reg.read_at(SLOT * 2, &mut head).unwrap();
+    grant.revoke().await.expect("revoke");
+    let queued = client
+        .write_notify(&remote, (SLOT * 2) as u64, &[0xEE; 64], 5)
+        .await;
+    let e = match queued {
+        Ok(()) => client.flush().await.unwrap_err(),
+        Err(e) => e,
+    };
+    if common::iwarp() {
+        assert_ne!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    } else {
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+        assert!(
+            matches!(
+                Error::from_io(&e),
+                Some(Error::RemoteAccess {
+                    op: "RDMA WRITE WITH IMMEDIATE",
+                    status: 10
+                })
+            ),
+            "{e:?}"
+        );
+    }
+    let got = tokio::time::timeout(Duration::from_secs(20), server.recv_incoming())
+        .await
+        .expect("the owner's endpoint ends");
+    assert!(
+        !matches!(got, Ok(Some(Incoming::Notification(_)))),
+        "{got:?}"
+    );
+    let mut after = vec![0u8; 64];
+    reg.read_at(SLOT * 2, &mut after).unwrap();
+    assert_eq!(after, head, "nothing written through the revoked grant");
+}
+
+/// `transfer`: 16 READs and WRITEs posted with one doorbell move exact
+/// bytes (the reads come back in batch order); more than 16, or one bad
+/// operation, fails locally and posts nothing (the valid writes before
+/// it included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_posts_a_batch_and_refuses_a_bad_one_whole() {
+    let (client, server) = pair().await;
+    let size = MIB;
+    let reg = region(&server, size, 8).await;
+    let whole = shared::pattern_vec(8, size);
+    let grant = server
+        .grant(&reg, 0..size, GrantAccess::READ | GrantAccess::WRITE)
+        .await
+        .expect("grant");
+    let remote = grant.remote();
+    let writes: Vec<(u64, Vec<u8>)> = (0..8u64)
+        .map(|k| {
+            (
+                k * 65_536 + 3,
+                shared::pattern_vec(200 + k, 4096 + k as usize),
+            )
+        })
+        .collect();
+    let reads: Vec<(u64, usize)> = (0..8u64)
+        .map(|k| (k * 65_536 + 32_771, 1 + 4093 * k as usize))
+        .collect();
+    let mut ops = Vec::new();
+    for (w, r) in writes.iter().zip(&reads) {
+        ops.push(Transfer::Write {
+            remote: &remote,
+            offset: w.0,
+            data: &w.1,
+        });
+        ops.push(Transfer::Read {
+            remote: &remote,
+            offset: r.0,
+            len: r.1,
+        });
+    }
+    assert_eq!(ops.len(), MAX_TRANSFER_BATCH);
+    let got = client.transfer(&ops).await.expect("the batch");
+    assert_eq!(got.len(), 8);
+    for (bytes, &(offset, len)) in got.iter().zip(&reads) {
+        let at = offset as usize;
+        assert!(
+            bytes[..] == whole[at..at + len],
+            "READ of {len} at {offset}"
+        );
+    }
+    for (offset, data) in &writes {
+        let mut back = vec![0u8; data.len()];
+        reg.read_at(*offset as usize, &mut back).unwrap();
+        assert!(back == *data, "WRITE at {offset}");
+    }
+    assert_eq!(client.transfer(&[]).await.unwrap().len(), 0);
+
+    // Refused whole, before anything is posted.
+    let fresh = [0x5Au8; 64];
+    let mut too_many = vec![
+        Transfer::Write {
+            remote: &remote,
+            offset: 0,
+            data: &fresh,
+        };
+        MAX_TRANSFER_BATCH
+    ];
+    too_many.push(Transfer::Read {
+        remote: &remote,
+        offset: 0,
+        len: 8,
+    });
+    let e = client.transfer(&too_many).await.unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    let bad = [
+        Transfer::Write {
+            remote: &remote,
+            offset: 0,
+            data: &fresh,
+        },
+        Transfer::Read {
+            remote: &remote,
+            offset: size as u64 - 4,
+            len: 8,
+        },
+    ];
+    // What the first batch left there: 3 bytes of the pattern, then its
+    // first WRITE.
+    let mut before = whole[..64].to_vec();
+    before[3..].copy_from_slice(&writes[0].1[..61]);
+    let e = client.transfer(&bad).await.unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    let mut head = [0u8; 64];
+    reg.read_at(0, &mut head).unwrap();
+    assert_eq!(head[..], before[..], "nothing of the refused batch written");
+    // The endpoint still works.
+    let again = client
+        .transfer(&[Transfer::Read {
+            remote: &remote,
+            offset: 5,
+            len: 11,
+        }])
+        .await
+        .unwrap();
+    assert_eq!(again[0][..], whole[5..16]);
 }

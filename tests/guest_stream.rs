@@ -454,7 +454,7 @@ fn hello_bytes(magic: u32, version: u16) -> Vec<u8> {
 
 /// The wire protocol version this build speaks (`proto::handshake::VERSION`,
 /// crate-private): 9 since the hello's flags byte carries the capabilities.
-const PROTOCOL_VERSION: u16 = 10;
+const PROTOCOL_VERSION: u16 = 11;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {

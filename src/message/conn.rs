@@ -16,19 +16,20 @@ use std::task::{Context, Poll};
 
 use tracing::{debug, trace, warn};
 
-use super::MessageConfig;
 use super::qp::MessageQp;
 #[cfg(tokio_rdma_guest)]
 use super::qp::PostedSge;
 use super::quota::Quota;
+use super::{Incoming, MessageConfig};
 use crate::conn::{Driven, Established, Handle, SpinWait, Started, WakerList};
 use crate::error::{Error, Result};
 use crate::pool::{ExhaustedPolicy, MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolError};
 use crate::proto::message::{
     ABORT_CODE_APPLICATION, Delivery, MessageCore, MessageError, MessageStats, MsgEvent,
-    MsgTransmit, MsgTransmitKind, OutboundMessage, RecvDisposition, SendError, abort_code_reason,
+    MsgTransmit, MsgTransmitKind, NotifyWrite, OutboundMessage, RecvDisposition, SendError,
+    abort_code_reason,
 };
-use crate::remote::{GrantAccess, LocalRegion};
+use crate::remote::{GrantAccess, LocalRegion, Notification};
 use crate::verbs::rc::{Completion, RcQueuePair, WcStatus, Work};
 
 use super::qp::RemoteWr;
@@ -258,10 +259,8 @@ impl MsgState {
         if !wc.ok() {
             let op = if is_recv {
                 "receive"
-            } else if self.qp.is_read(wc.wr_id()) {
-                "RDMA READ"
             } else {
-                "SEND"
+                self.qp.core_op_name(wc.wr_id())
             };
             match wc.work {
                 Work::Recv(token) => drop(self.qp.take_recv(token, 0)),
@@ -285,6 +284,15 @@ impl MsgState {
                 // close, not a lost connection.
                 debug!(op, status = ?wc.status, "WR failed after the peer's CLOSE");
                 self.qp.as_mut().set_error();
+                return;
+            }
+            // A NOTIFY's WRITE the peer's NIC refused (a revoked grant,
+            // another connection's): as for `write`, a remote access error.
+            if op == "RDMA WRITE WITH IMMEDIATE" && matches!(wc.status, WcStatus::Failed(9..=11)) {
+                self.lost(Error::RemoteAccess {
+                    op,
+                    status: wc.status.code(),
+                });
                 return;
             }
             // REM_ACCESS_ERR on a READ: the announced range or rkey is not
@@ -847,7 +855,28 @@ impl MsgConn {
         st
     }
 
+    /// The next message, for `recv` and the `Stream`: a notification in
+    /// front of it is an `InvalidData` error that leaves it in place for
+    /// [`poll_incoming`](Self::poll_incoming).
     pub(crate) fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<io::Result<Option<PoolBytes>>> {
+        self.poll_next_incoming(cx, true).map(|r| {
+            r.map(|next| match next {
+                Some(Incoming::Message(m)) => Some(m),
+                _ => None,
+            })
+        })
+    }
+
+    /// The next message or notification, in send order.
+    pub(crate) fn poll_incoming(&self, cx: &mut Context<'_>) -> Poll<io::Result<Option<Incoming>>> {
+        self.poll_next_incoming(cx, false)
+    }
+
+    fn poll_next_incoming(
+        &self,
+        cx: &mut Context<'_>,
+        messages_only: bool,
+    ) -> Poll<io::Result<Option<Incoming>>> {
         let mut st = self.lock();
         // A message already complete is taken before more work is posted:
         // a drain can post RDMA READs that rxe runs inside the post, and a
@@ -869,8 +898,24 @@ impl MsgConn {
             st.spin.ready();
             st.qp.qp_ref().unpark();
         }
+        if messages_only && st.core.next_is_notify() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the peer's next item is a notification (MessageEndpoint::write_notify): \
+                 take it with MessageEndpoint::recv_incoming",
+            )));
+        }
         if let Some(d) = st.core.poll_recv() {
             let msg = match d {
+                Delivery::Notify { value, len } => {
+                    st.takes_since_send = st.takes_since_send.saturating_add(1);
+                    st.settle();
+                    self.ensure_tick(&st);
+                    return Poll::Ready(Ok(Some(Incoming::Notification(Notification {
+                        value,
+                        len,
+                    }))));
+                }
                 Delivery::Eager { recv_buf_token, .. } => st.kept.remove(&recv_buf_token),
                 Delivery::Rendezvous { dest_token, len } => {
                     st.quota_release(dest_token);
@@ -885,9 +930,9 @@ impl MsgConn {
             st.settle();
             self.ensure_tick(&st);
             return Poll::Ready(match msg {
-                Some(buf) => Ok(Some(buf.freeze())),
+                Some(buf) => Ok(Some(Incoming::Message(buf.freeze()))),
                 None => {
-                    Err(Error::Internal(format!("message buffer {} missing", d.token())).into())
+                    Err(Error::Internal(format!("message buffer {:?} missing", d.token())).into())
                 }
             });
         }
@@ -953,6 +998,22 @@ impl MsgConn {
     /// `poll_flush` posts the batch with one doorbell; a long batch is
     /// posted every [`FEED_BATCH`] messages).
     pub(crate) fn start_send(&self, msg: OutgoingMessage, defer: bool) -> io::Result<()> {
+        self.start_queued(msg, None, defer)
+    }
+
+    /// Queues an RDMA WRITE WITH IMMEDIATE of `msg` to `target` (a NOTIFY,
+    /// see [`MessageCore::send_notify`]) behind the messages queued
+    /// before it, and posts it at once.
+    pub(crate) fn start_notify(&self, msg: OutgoingMessage, target: NotifyWrite) -> io::Result<()> {
+        self.start_queued(msg, Some(target), false)
+    }
+
+    fn start_queued(
+        &self,
+        msg: OutgoingMessage,
+        notify: Option<NotifyWrite>,
+        defer: bool,
+    ) -> io::Result<()> {
         let mut st = self.lock();
         if let Some(e) = Self::send_error(&st) {
             return Err(e);
@@ -964,7 +1025,11 @@ impl MsgConn {
             addr: msg.addr(),
         };
         st.qp.add_send(token, msg);
-        if let Err(e) = st.core.send(out) {
+        let queued = match notify {
+            Some(target) => st.core.send_notify(out, target),
+            None => st.core.send(out),
+        };
+        if let Err(e) = queued {
             st.qp.release_send(token);
             return Err(match e {
                 SendError::TooLong { .. } => io::Error::new(io::ErrorKind::InvalidInput, e),
@@ -975,7 +1040,7 @@ impl MsgConn {
             });
         }
         st.takes_since_send = 0;
-        let rendezvous = out.len > u64::from(st.core.params().eager_max);
+        let rendezvous = notify.is_none() && out.len > u64::from(st.core.params().eager_max);
         let at_once = send_posts_at_once(defer, rendezvous, st.core.outstanding_wrs());
         if at_once || st.core.queued() >= FEED_BATCH {
             st.settle();
@@ -1139,6 +1204,7 @@ impl MsgConn {
     /// [`remote_dead`](Self::remote_dead)), before or while waiting.
     async fn with_remote_slot<T>(
         &self,
+        need: u16,
         post: impl FnOnce(&mut MessageQp) -> Result<T>,
     ) -> io::Result<T> {
         let mut post = Some(post);
@@ -1149,7 +1215,7 @@ impl MsgConn {
             if let Some(e) = Self::remote_dead(&st) {
                 return Poll::Ready(Err(e));
             }
-            if st.qp.poll_remote_slot(cx).is_pending() {
+            if st.qp.poll_remote_slot(cx, need).is_pending() {
                 st.widen_arm();
                 self.ensure_tick(&st);
                 return Poll::Pending;
@@ -1177,7 +1243,21 @@ impl MsgConn {
         // scheduler (a guest test's four tasks held both workers and
         // stopped the runtime's timers).
         tokio::task::coop::consume_budget().await;
-        self.with_remote_slot(|qp| qp.post_remote(wr, local)).await
+        self.with_remote_slot(1, |qp| qp.post_remote(wr, local))
+            .await
+    }
+
+    /// Waits for `batch.len()` remote slots, then posts the batch with one
+    /// doorbell; returns the wr_id to [`wait_remote`](Self::wait_remote)
+    /// on (its buffers come back in batch order).
+    pub(crate) async fn start_remote_batch(
+        &self,
+        batch: Vec<(RemoteWr, PoolBuf)>,
+    ) -> io::Result<u64> {
+        tokio::task::coop::consume_budget().await;
+        let need = u16::try_from(batch.len()).unwrap_or(u16::MAX);
+        self.with_remote_slot(need, |qp| qp.post_remote_batch(batch))
+            .await
     }
 
     /// Waits for a remote slot, then binds a grant's window over `len`
@@ -1190,7 +1270,7 @@ impl MsgConn {
         len: u64,
         access: GrantAccess,
     ) -> io::Result<(u64, u32)> {
-        self.with_remote_slot(|qp| qp.bind_grant(region, offset, len, access))
+        self.with_remote_slot(1, |qp| qp.bind_grant(region, offset, len, access))
             .await
     }
 
@@ -1218,7 +1298,7 @@ impl MsgConn {
             return Ok(None);
         }
         match self
-            .with_remote_slot(|qp| qp.revoke_grant(grant, false))
+            .with_remote_slot(1, |qp| qp.revoke_grant(grant, false))
             .await
         {
             // Failed or closed while waiting: the QP's windows die with it.
@@ -1253,7 +1333,7 @@ pub(crate) struct RemoteWait<'a> {
 }
 
 impl std::future::Future for RemoteWait<'_> {
-    type Output = io::Result<Option<PoolBuf>>;
+    type Output = io::Result<Vec<PoolBuf>>;
 
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();

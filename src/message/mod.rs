@@ -27,6 +27,19 @@
 //! read"); on a NIC a READ completes after its post returns, so the READs
 //! of rendezvous announced together still go in one drain.
 //!
+//! # Remote memory on the same connection
+//!
+//! The endpoint also carries the one-sided operations of
+//! [`crate::remote`] (grants, READ, WRITE, atomics, batches of up to
+//! [`MAX_TRANSFER_BATCH`] with one doorbell), on send-queue slots of
+//! their own (16), so they never wait for message credit. One of them
+//! is part of the message stream:
+//! [`write_notify`](MessageEndpoint::write_notify) is an RDMA WRITE WITH
+//! IMMEDIATE into a grant that the peer takes as an
+//! [`Incoming::Notification`] in send order with the messages
+//! ([`MessageEndpoint::recv_incoming`]); it uses a receive buffer and
+//! credit like a message (the protocol's NOTIFY).
+//!
 //! # iWARP
 //!
 //! On a device without immediate data and memory windows (iWARP; Soft-iWARP
@@ -99,10 +112,12 @@ use crate::error::{Error, Result};
 use crate::pool::{MemoryPool, OutgoingMessage, PoolBuf, PoolBytes, PoolConfig};
 use crate::proto::handshake::{EndpointKind, Hello};
 use crate::proto::message::{
-    MAX_MESSAGE_LEN, MessageCore, MessageError, MessageParams, RTS_HEADER_LEN, TRAILER_LEN,
-    initial_recv_posted,
+    MAX_IMM_VALUE, MAX_MESSAGE_LEN, MAX_NOTIFY_LEN, MessageCore, MessageError, MessageParams,
+    NotifyWrite, RTS_HEADER_LEN, TRAILER_LEN, initial_recv_posted,
 };
-use crate::remote::{Grant, GrantAccess, LocalRegion, RemoteRegion};
+use crate::remote::{
+    Grant, GrantAccess, LocalRegion, MAX_TRANSFER_BATCH, Notification, RemoteRegion, Transfer,
+};
 use crate::verbs::cm::CmId;
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
 
@@ -112,6 +127,20 @@ pub(crate) use conn::MsgState;
 #[doc(hidden)]
 pub use qp::PostedSge;
 use qp::{MessageQp, REMOTE_SLOTS, RemoteWr};
+
+// A batch takes every remote slot at most.
+const _: () = assert!(MAX_TRANSFER_BATCH == REMOTE_SLOTS as usize);
+
+/// What [`MessageEndpoint::recv_incoming`] hands out, in the peer's send
+/// order.
+#[derive(Debug, Clone)]
+pub enum Incoming {
+    /// A message, as [`MessageEndpoint::recv`] returns it.
+    Message(PoolBytes),
+    /// The peer wrote into memory this side granted
+    /// ([`MessageEndpoint::write_notify`]).
+    Notification(Notification),
+}
 
 /// Settings of a message endpoint. `Default` gives the values documented
 /// on each setter.
@@ -680,6 +709,17 @@ impl MessageEndpoint {
         std::future::poll_fn(|cx| self.conn.poll_recv(cx)).await
     }
 
+    /// The next message or [`Notification`], in send order: `Ok(None)`
+    /// once the peer closed and everything was taken. For endpoints whose
+    /// peer uses [`write_notify`](Self::write_notify); otherwise the same
+    /// as [`recv`](Self::recv). Cancel-safe.
+    ///
+    /// # Errors
+    /// As [`recv`](Self::recv).
+    pub async fn recv_incoming(&self) -> io::Result<Option<Incoming>> {
+        std::future::poll_fn(|cx| self.conn.poll_incoming(cx)).await
+    }
+
     /// Closes this handle gracefully: waits until every message sent was
     /// taken by the peer ([`flush`](Self::flush)), drops the handle and, if
     /// it was the last one, waits until the endpoint has disconnected (the
@@ -855,6 +895,7 @@ impl MessageEndpoint {
             .conn
             .wait_remote(id, "RDMA READ")
             .await?
+            .pop()
             .ok_or_else(|| io::Error::from(Error::Internal("READ without its buffer".into())))?;
         buf.set_len(len);
         Ok(buf.freeze())
@@ -884,6 +925,164 @@ impl MessageEndpoint {
         };
         let id = self.conn.start_remote(wr, buf).await?;
         self.conn.wait_remote(id, "RDMA WRITE").await.map(drop)
+    }
+
+    /// Writes `data` at `offset` of `remote` (a grant of the peer's, with
+    /// WRITE access) and tells the peer: it receives a
+    /// [`Notification`] of `value` and `data.len()` from
+    /// [`recv_incoming`](Self::recv_incoming), in order with this side's
+    /// messages, once the bytes are in place. One RDMA WRITE WITH
+    /// IMMEDIATE from a pool buffer `data` is copied into (on a device
+    /// without immediate data, iWARP: an RDMA WRITE and a SEND of the
+    /// length). Like a message it uses one of the peer's receive buffers
+    /// and waits for credit behind earlier messages; returns once it is
+    /// queued, as [`send`](Self::send) does: [`flush`](Self::flush) waits
+    /// until the peer's NIC took it.
+    ///
+    /// # Errors
+    /// `InvalidInput` (nothing posted) when `value` is `2^29` or more, the
+    /// range passes the grant or the grant has no WRITE, or `data` is
+    /// longer than 2 GiB; the pool's errors; `ConnectionReset` /
+    /// `BrokenPipe` once the endpoint failed or the peer closed. A write
+    /// the peer's NIC refuses (a revoked grant, another connection's)
+    /// fails the endpoint with [`Error::RemoteAccess`] (`PermissionDenied`;
+    /// RC: the QP goes to the error state), which the next call returns
+    /// ([`flush`](Self::flush), for one); on iWARP, which acknowledges no
+    /// WRITE (RFC 5040), the peer's TERMINATE fails it instead.
+    pub async fn write_notify(
+        &self,
+        remote: &RemoteRegion,
+        offset: u64,
+        data: &[u8],
+        value: u32,
+    ) -> io::Result<()> {
+        if value > MAX_IMM_VALUE {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("notification value {value} is wider than 29 bits"),
+            ));
+        }
+        let len = data.len() as u64;
+        let addr = remote.check("RDMA WRITE WITH IMMEDIATE", offset, len, GrantAccess::WRITE)?;
+        if len > MAX_NOTIFY_LEN {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "RDMA WRITE WITH IMMEDIATE of more than 2 GiB",
+            ));
+        }
+        let mut buf = self.pool.alloc_any(data.len().max(1)).await?;
+        buf.spare_mut()[..data.len()].copy_from_slice(data);
+        buf.set_len(data.len());
+        std::future::poll_fn(|cx| self.conn.poll_send_ready(cx)).await?;
+        let target = NotifyWrite {
+            remote_addr: addr,
+            rkey: remote.rkey(),
+            value,
+        };
+        self.conn.start_notify(OutgoingMessage::from(buf), target)
+    }
+
+    /// Posts `ops` (up to [`MAX_TRANSFER_BATCH`] RDMA READs and WRITEs on
+    /// grants of the peer's) with one doorbell, only the last WR signaled
+    /// (RC completes in order: its completion says all are done; on
+    /// iWARP every READ is signaled too), and returns once all completed:
+    /// the bytes read, one buffer per [`Transfer::Read`], in `ops` order.
+    /// Each WRITE's data is copied into a pool buffer first. The pattern
+    /// of transfer engines and of perftest's `--post_list`.
+    ///
+    /// # Errors
+    /// `InvalidInput` (nothing posted) for more than
+    /// [`MAX_TRANSFER_BATCH`] operations, or any operation that
+    /// [`read`](Self::read) or [`write`](Self::write) would refuse; a
+    /// refusal by the peer's NIC fails the endpoint with
+    /// [`Error::RemoteAccess`] naming the first refused operation; the
+    /// pool's errors; `ConnectionReset` once the endpoint failed.
+    /// Cancel-safe as `read`.
+    pub async fn transfer(&self, ops: &[Transfer<'_>]) -> io::Result<Vec<PoolBytes>> {
+        if ops.len() > MAX_TRANSFER_BATCH {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "a transfer of {} operations (at most {MAX_TRANSFER_BATCH})",
+                    ops.len()
+                ),
+            ));
+        }
+        if ops.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut wrs = Vec::with_capacity(ops.len());
+        for op in ops {
+            let (name, remote, offset, len, want) = match *op {
+                Transfer::Read {
+                    remote,
+                    offset,
+                    len,
+                } => ("RDMA READ", remote, offset, len, GrantAccess::READ),
+                Transfer::Write {
+                    remote,
+                    offset,
+                    data,
+                } => ("RDMA WRITE", remote, offset, data.len(), GrantAccess::WRITE),
+            };
+            let addr = remote.check(name, offset, len as u64, want)?;
+            let len32 = u32::try_from(len)
+                .ok()
+                .filter(|&l| l <= 1 << 31)
+                .ok_or_else(|| {
+                    io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{name} of more than 2 GiB"),
+                    )
+                })?;
+            let rkey = remote.rkey();
+            wrs.push(match op {
+                Transfer::Read { .. } => RemoteWr::Read {
+                    addr,
+                    rkey,
+                    len: len32,
+                },
+                Transfer::Write { .. } => RemoteWr::Write {
+                    addr,
+                    rkey,
+                    len: len32,
+                },
+            });
+        }
+        let mut batch = Vec::with_capacity(ops.len());
+        for (op, wr) in ops.iter().zip(wrs) {
+            let buf = match *op {
+                Transfer::Read { len, .. } => self.pool.alloc_any(len.max(1)).await?,
+                Transfer::Write { data, .. } => {
+                    let mut buf = self.pool.alloc_any(data.len().max(1)).await?;
+                    buf.spare_mut()[..data.len()].copy_from_slice(data);
+                    buf.set_len(data.len());
+                    buf
+                }
+            };
+            batch.push((wr, buf));
+        }
+        let id = self.conn.start_remote_batch(batch).await?;
+        let bufs = self.conn.wait_remote(id, "RDMA READ/WRITE batch").await?;
+        if bufs.len() != ops.len() {
+            return Err(Error::Internal(format!(
+                "a batch of {} operations came back with {} buffers",
+                ops.len(),
+                bufs.len()
+            ))
+            .into());
+        }
+        Ok(ops
+            .iter()
+            .zip(bufs)
+            .filter_map(|(op, mut buf)| match *op {
+                Transfer::Read { len, .. } => {
+                    buf.set_len(len);
+                    Some(buf.freeze())
+                }
+                Transfer::Write { .. } => None,
+            })
+            .collect())
     }
 
     /// Atomically compares the 8-byte word at `offset` of `remote` (8-byte
@@ -932,7 +1131,7 @@ impl MessageEndpoint {
         let buf = self.pool.alloc_any(8).await?;
         let id = self.conn.start_remote(wr, buf).await?;
         let mut buf =
-            self.conn.wait_remote(id, op).await?.ok_or_else(|| {
+            self.conn.wait_remote(id, op).await?.pop().ok_or_else(|| {
                 io::Error::from(Error::Internal("atomic without its buffer".into()))
             })?;
         buf.set_len(8);

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::pool::{OutgoingMessage, PoolBuf};
 use crate::proto::message::{
     MessageError, MsgTransmit, MsgTransmitKind, RTS_HEADER_LEN, RtsHeader, TRAILER_LEN,
-    encode_trailer, split_trailer,
+    encode_trailer, notify_length, split_trailer,
 };
 use crate::remote::{GrantAccess, LocalRegion};
 use crate::verbs::ledger::{Ledger, PostedOp};
@@ -142,7 +142,9 @@ struct ScopedKeys {
     registrations: u64,
 }
 
-/// One remote-memory WR in flight.
+/// One remote-memory operation in flight: one WR, or a batch of WRs
+/// posted with one doorbell whose last one is signaled and carries the
+/// operation's wr_id.
 struct RemoteOp {
     /// What it is.
     kind: RemoteKind,
@@ -150,26 +152,41 @@ struct RemoteOp {
     status: Option<WcStatus>,
     /// The task waiting for it (none once its future was dropped).
     waker: Option<Waker>,
-    /// The local buffer it reads (WRITE) or writes (READ, atomics), while
-    /// its future waits; pinned in the ledger until the completion.
-    local: Option<PoolBuf>,
+    /// The local buffers its WRs read (WRITE) or write (READ, atomics),
+    /// in posting order, each with the ledger key it is pinned under (its
+    /// WR's wr_id), while its future waits; pinned until the completion.
+    locals: Vec<(u64, PoolBuf)>,
     /// Its future was dropped: nobody takes the result.
     abandoned: bool,
-    /// Without memory windows, an RDMA READ's sink registration over
-    /// exactly `local` (see [`ScopedKeys::sinks`]): kept until the
-    /// completion, even once the future was dropped.
-    sink: Option<MemoryRegistration>,
+    /// Without memory windows, its RDMA READs' sink registrations over
+    /// exactly their local buffers (see [`ScopedKeys::sinks`]): kept
+    /// until the completion, even once the future was dropped.
+    sinks: Vec<MemoryRegistration>,
+    /// Send-queue slots its WRs take (1 but for a batch).
+    wrs: u16,
 }
 
 /// What a new [`RemoteOp`] starts with besides its kind.
-#[derive(Default)]
 struct RemoteEntry {
-    /// Its local buffer ([`RemoteOp::local`]).
-    local: Option<PoolBuf>,
-    /// Its READ sink's registration ([`RemoteOp::sink`]).
-    sink: Option<MemoryRegistration>,
+    /// Its local buffers ([`RemoteOp::locals`]).
+    locals: Vec<(u64, PoolBuf)>,
+    /// Its READ sinks' registrations ([`RemoteOp::sinks`]).
+    sinks: Vec<MemoryRegistration>,
     /// A status already known (a grant complete without a WR).
     status: Option<WcStatus>,
+    /// Send-queue slots its WRs take.
+    wrs: u16,
+}
+
+impl Default for RemoteEntry {
+    fn default() -> Self {
+        RemoteEntry {
+            locals: Vec::new(),
+            sinks: Vec::new(),
+            status: None,
+            wrs: 1,
+        }
+    }
 }
 
 /// What a remote-memory WR does.
@@ -394,10 +411,13 @@ impl MessageQp {
         if !self.trailer() {
             return Some(Ok((buf, imm, byte_len)));
         }
-        Some(split_trailer(byte_len, buf.as_slice()).map(|(imm, len)| {
+        let framed = split_trailer(byte_len, buf.as_slice()).and_then(|(imm, len)| {
             buf.set_len(len as usize);
-            (buf, imm, len)
-        }))
+            // A NOTIFY's SEND carries the length its WRITE wrote.
+            let len = notify_length(imm, buf.as_slice())?.unwrap_or(len);
+            Ok((imm, len))
+        });
+        Some(framed.map(|(imm, len)| (buf, imm, len)))
     }
 
     /// Keeps `buf` as destination `token` for READs. Without memory
@@ -544,10 +564,16 @@ impl MessageQp {
         }
     }
 
-    /// Whether send-queue WR `wr_id` (posted, not yet known complete) is an
-    /// RDMA READ.
-    pub(crate) fn is_read(&self, wr_id: u64) -> bool {
-        self.ledger.op(wr_id) == Some(PostedOp::Read)
+    /// What the protocol core's send-queue WR `wr_id` (posted, not yet
+    /// known complete) is, for errors: an RDMA READ, a NOTIFY's RDMA
+    /// WRITE WITH IMMEDIATE (on iWARP: its WRITE, which comes first), or
+    /// a SEND.
+    pub(crate) fn core_op_name(&self, wr_id: u64) -> &'static str {
+        match self.ledger.op(wr_id) {
+            Some(PostedOp::Read) => "RDMA READ",
+            Some(PostedOp::Write) => "RDMA WRITE WITH IMMEDIATE",
+            _ => "SEND",
+        }
     }
 
     /// Whether completion `wc` must wait: on a device whose READ
@@ -734,36 +760,82 @@ impl MessageQp {
         let mut wrs = Vec::with_capacity(batch.len());
         let mut records = Vec::with_capacity(batch.len());
         let mut last_sge = None;
+        // Without immediate data a NOTIFY's SEND carries the written
+        // length, big-endian, before its trailer.
+        let notify_lens: Vec<[u8; 4]> = batch
+            .iter()
+            .filter_map(|t| match t.kind {
+                MsgTransmitKind::WriteNotify { len, .. } => Some(len.to_be_bytes()),
+                _ => None,
+            })
+            .collect();
+        let mut notify_lens = notify_lens.iter();
         for t in batch {
             let (op, pin) = match &t.kind {
+                &MsgTransmitKind::WriteNotify {
+                    token,
+                    len,
+                    remote_addr,
+                    rkey,
+                    imm,
+                    inline,
+                } => {
+                    let (payload, pin) = message_payload(&self.sending, token, len, inline)?;
+                    if let SendPayload::Sge(sge) = payload {
+                        last_sge = Some(sge);
+                    }
+                    let Some(scratch) = self.trailer_scratch.as_mut() else {
+                        let op = SendOp::WriteImm {
+                            payload,
+                            remote_addr,
+                            rkey,
+                            imm,
+                        };
+                        let wr_id = Work::Core(t.wr_id).wr_id();
+                        wrs.push(SendWr {
+                            wr_id,
+                            signaled: t.signaled,
+                            solicited: t.solicited,
+                            op,
+                        });
+                        records.push((wr_id, PostedOp::Write, pin));
+                        continue;
+                    };
+                    // No immediate data (iWARP): the WRITE, then a SEND of
+                    // the length and the trailer, which the peer's RDMAP
+                    // delivers only after the WRITE was placed (RFC 5040,
+                    // section 5.5). Both carry this core WR's number: the
+                    // WRITE's completion, unsignaled, comes only as a
+                    // failure or a flush, and fails the core's WR as the
+                    // WRITE WITH IMMEDIATE's would.
+                    let wr_id = Work::Core(t.wr_id).wr_id();
+                    wrs.push(SendWr {
+                        wr_id,
+                        signaled: false,
+                        solicited: false,
+                        op: SendOp::Write {
+                            payload,
+                            remote_addr,
+                            rkey,
+                        },
+                    });
+                    records.push((wr_id, PostedOp::Write, pin));
+                    let length = notify_lens
+                        .next()
+                        .ok_or_else(|| internal("a NOTIFY without its length".into()))?;
+                    let op = with_trailer(SendPayload::Inline(length), imm, t.wr_id, scratch)?;
+                    ((op, PostedOp::Send), None)
+                }
                 &MsgTransmitKind::Eager {
                     token,
                     len,
                     imm,
                     inline,
                 } => {
-                    let msg = self
-                        .sending
-                        .get(&token)
-                        .ok_or_else(|| internal(format!("no message for token {token}")))?;
-                    let data = msg
-                        .as_slice()
-                        .get(..len as usize)
-                        .ok_or_else(|| internal(format!("message {token} shorter than {len}")))?;
-                    let (payload, pin) = if len == 0 {
-                        (SendPayload::None, None)
-                    } else if inline {
-                        // Copied into the WR at posting: nothing to hold.
-                        (SendPayload::Inline(data), None)
-                    } else {
-                        let sge = Sge {
-                            addr: msg.addr(),
-                            len,
-                            lkey: msg.lkey(),
-                        };
+                    let (payload, pin) = message_payload(&self.sending, token, len, inline)?;
+                    if let SendPayload::Sge(sge) = payload {
                         last_sge = Some(sge);
-                        (SendPayload::Sge(sge), Some(token))
-                    };
+                    }
                     let op = match self.trailer_scratch.as_mut() {
                         Some(scratch) => with_trailer(payload, imm, t.wr_id, scratch)?,
                         None => SendOp::SendImm { payload, imm },
@@ -895,6 +967,36 @@ impl MessageQp {
     }
 }
 
+/// The first `len` bytes of message `token` as a WR's payload: none,
+/// inline (copied into the WR at posting: nothing to hold), or an SGE
+/// over the message, which the ledger must pin to `token` (returned).
+fn message_payload(
+    sending: &HashMap<u64, OutgoingMessage>,
+    token: u64,
+    len: u32,
+    inline: bool,
+) -> Result<(SendPayload<'_>, Option<u64>)> {
+    let msg = sending
+        .get(&token)
+        .ok_or_else(|| internal(format!("no message for token {token}")))?;
+    let data = msg
+        .as_slice()
+        .get(..len as usize)
+        .ok_or_else(|| internal(format!("message {token} shorter than {len}")))?;
+    Ok(if len == 0 {
+        (SendPayload::None, None)
+    } else if inline {
+        (SendPayload::Inline(data), None)
+    } else {
+        let sge = Sge {
+            addr: msg.addr(),
+            len,
+            lkey: msg.lkey(),
+        };
+        (SendPayload::Sge(sge), Some(token))
+    })
+}
+
 /// The SEND of a message with immediate `imm` on a device without
 /// immediate data: `payload` followed by the 4-byte trailer carrying
 /// `imm`, inline when the payload is (or empty), from the trailer's slot
@@ -964,10 +1066,15 @@ impl MessageQp {
         self.grant_windows.len() + self.scoped.grants.len()
     }
 
-    /// Ready once fewer than [`REMOTE_SLOTS`] remote WRs are in flight;
+    /// Send-queue slots remote work takes now.
+    fn remote_wrs(&self) -> usize {
+        self.remote.values().map(|o| usize::from(o.wrs)).sum()
+    }
+
+    /// Ready once `need` more remote WRs fit within [`REMOTE_SLOTS`];
     /// registers `cx`'s waker otherwise.
-    pub(crate) fn poll_remote_slot(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.remote.len() < usize::from(REMOTE_SLOTS) {
+    pub(crate) fn poll_remote_slot(&mut self, cx: &mut Context<'_>, need: u16) -> Poll<()> {
+        if self.remote_wrs() + usize::from(need) <= usize::from(REMOTE_SLOTS) {
             return Poll::Ready(());
         }
         self.remote_waiters.push(cx.waker().clone());
@@ -977,7 +1084,7 @@ impl MessageQp {
     /// A remote slot freed: revocations of dropped grants waiting for
     /// one go first, then the waiting tasks are woken.
     fn remote_slot_freed(&mut self) {
-        while self.remote.len() < usize::from(REMOTE_SLOTS) {
+        while self.remote_wrs() < usize::from(REMOTE_SLOTS) {
             let Some(grant) = self.pending_revokes.pop() else {
                 break;
             };
@@ -996,9 +1103,10 @@ impl MessageQp {
                 kind,
                 status: op.status,
                 waker: None,
-                local: op.local,
+                locals: op.locals,
                 abandoned: false,
-                sink: op.sink,
+                sinks: op.sinks,
+                wrs: op.wrs,
             },
         );
     }
@@ -1009,109 +1117,175 @@ impl MessageQp {
     /// against the grant; the local length is checked here.
     ///
     /// # Errors
-    /// [`Error::Internal`] for a local buffer too short;
-    /// [`Error::Verbs`] if the post fails (nothing was posted: a single
-    /// WR is taken whole or not at all, and `local` is freed).
+    /// As [`post_remote_batch`](Self::post_remote_batch).
     pub(crate) fn post_remote(&mut self, wr: RemoteWr, local: PoolBuf) -> Result<u64> {
-        let need = match wr {
-            RemoteWr::Read { len, .. } => len as usize,
-            RemoteWr::Write { len, .. } => len as usize,
-            RemoteWr::CompareSwap { .. } | RemoteWr::FetchAdd { .. } => {
-                self.qp.device().check_atomics()?;
-                8
+        self.post_remote_batch(vec![(wr, local)])
+    }
+
+    /// Posts one-sided WRs, each with its local buffer, with one doorbell:
+    /// only the last is signaled (RC completes in order, so its completion
+    /// says every one is done; on a device whose READ completions may come
+    /// late every READ is signaled as well). Returns the operation's wr_id
+    /// (the last WR's). The caller checked the remote ranges against their
+    /// grants and took `wrs.len()` remote slots; local lengths are checked
+    /// here, before anything is posted.
+    ///
+    /// # Errors
+    /// [`Error::Internal`] for an empty batch or a local buffer too short;
+    /// [`Error::NoAtomics`] for an atomic on a device without them;
+    /// [`Error::Verbs`] if the post fails (the ledger keeps every WR the
+    /// NIC may have taken, and the buffers stay with it until their
+    /// completion or flush).
+    pub(crate) fn post_remote_batch(&mut self, batch: Vec<(RemoteWr, PoolBuf)>) -> Result<u64> {
+        if batch.is_empty() {
+            return Err(internal("an empty batch of remote operations".into()));
+        }
+        let reads_complete_late = self.qp.device().reads_complete_late;
+        let mut needs = Vec::with_capacity(batch.len());
+        for (wr, local) in &batch {
+            let need = match *wr {
+                RemoteWr::Read { len, .. } => len as usize,
+                RemoteWr::Write { len, .. } => len as usize,
+                RemoteWr::CompareSwap { .. } | RemoteWr::FetchAdd { .. } => {
+                    self.qp.device().check_atomics()?;
+                    8
+                }
+            };
+            if need > local.capacity() {
+                return Err(internal(format!(
+                    "remote operation of {need} bytes with a local buffer of {}",
+                    local.capacity()
+                )));
             }
-        };
-        if need > local.capacity() {
-            return Err(internal(format!(
-                "remote operation of {need} bytes with a local buffer of {}",
-                local.capacity()
-            )));
+            needs.push(need);
         }
         // Without windows, a READ's sink is registered over exactly the
         // bytes it lands in (see `ScopedKeys::sinks`), kept with the
         // operation until its completion.
-        let sink = match wr {
-            RemoteWr::Read { .. } if self.qp.has_own_pd() => {
-                // SAFETY: `local` is held by this operation's entry (or
-                // by the ledger once its future is dropped) until the
-                // completion, and `remote_completed` drops the sink
-                // before either lets it go.
-                Some(unsafe {
-                    self.register_scoped(local.addr(), need as u64, MrAccess::LocalWriteRemoteWrite)
-                }?)
-            }
-            _ => None,
-        };
-        let sge = Sge {
-            addr: local.addr(),
-            len: need as u32,
-            lkey: sink.as_ref().map_or(local.lkey(), |m| m.lkey()),
-        };
-        let (op, posted) = match wr {
-            RemoteWr::Read { addr, rkey, .. } => (
-                SendOp::Read {
-                    local: sge,
-                    remote_addr: addr,
-                    rkey,
-                },
-                PostedOp::Read,
-            ),
-            RemoteWr::Write { addr, rkey, .. } => (
-                SendOp::Write {
-                    payload: SendPayload::Sge(sge),
-                    remote_addr: addr,
-                    rkey,
-                },
-                PostedOp::Write,
-            ),
-            RemoteWr::CompareSwap {
-                addr,
-                rkey,
-                compare,
-                swap,
-            } => (
-                SendOp::CompareSwap {
-                    local: sge,
-                    remote_addr: addr,
+        let mut sinks = Vec::new();
+        let mut lkeys = Vec::with_capacity(batch.len());
+        for ((wr, local), &need) in batch.iter().zip(&needs) {
+            let lkey = match wr {
+                RemoteWr::Read { .. } if self.qp.has_own_pd() => {
+                    // SAFETY: `local` is held by this operation's entry (or
+                    // by the ledger once its future is dropped) until the
+                    // completion of the batch's last WR, which comes after
+                    // this READ's, and `remote_completed` drops the sinks
+                    // before either lets it go.
+                    let mr = unsafe {
+                        self.register_scoped(
+                            local.addr(),
+                            need as u64,
+                            MrAccess::LocalWriteRemoteWrite,
+                        )
+                    }?;
+                    let lkey = mr.lkey();
+                    sinks.push(mr);
+                    lkey
+                }
+                _ => local.lkey(),
+            };
+            lkeys.push(lkey);
+        }
+        let mut wrs = Vec::with_capacity(batch.len());
+        let mut records = Vec::with_capacity(batch.len());
+        let last = batch.len() - 1;
+        for (i, ((wr, local), (&need, &lkey))) in
+            batch.iter().zip(needs.iter().zip(&lkeys)).enumerate()
+        {
+            let sge = Sge {
+                addr: local.addr(),
+                len: need as u32,
+                lkey,
+            };
+            let (op, posted) = match *wr {
+                RemoteWr::Read { addr, rkey, .. } => (
+                    SendOp::Read {
+                        local: sge,
+                        remote_addr: addr,
+                        rkey,
+                    },
+                    PostedOp::Read,
+                ),
+                RemoteWr::Write { addr, rkey, .. } => (
+                    SendOp::Write {
+                        payload: SendPayload::Sge(sge),
+                        remote_addr: addr,
+                        rkey,
+                    },
+                    PostedOp::Write,
+                ),
+                RemoteWr::CompareSwap {
+                    addr,
                     rkey,
                     compare,
                     swap,
-                },
-                PostedOp::Atomic,
-            ),
-            RemoteWr::FetchAdd { addr, rkey, add } => (
-                SendOp::FetchAdd {
-                    local: sge,
-                    remote_addr: addr,
-                    rkey,
-                    add,
-                },
-                PostedOp::Atomic,
-            ),
-        };
-        let wr_id = self.remote_wr_id();
-        let wrs = [SendWr {
-            wr_id,
-            signaled: true,
-            solicited: false,
-            op,
-        }];
-        // SAFETY: the SGE names `local`, a pool buffer registered with
-        // local write on this QP's PD, inside its capacity (checked above).
-        // It is held by this operation's entry in `self.remote` while its
-        // future waits, and pinned in the ledger (recorded right below) so
-        // that a future dropped before the completion hands it to the
-        // ledger, which frees it only at the completion or flush, or after
-        // the QP is destroyed (field order). The program does not touch it
-        // meanwhile: the future gets it back only after the completion.
-        unsafe { self.qp.post_send_batch(&wrs) }?;
-        self.ledger.record(wr_id, posted, Some(wr_id));
+                } => (
+                    SendOp::CompareSwap {
+                        local: sge,
+                        remote_addr: addr,
+                        rkey,
+                        compare,
+                        swap,
+                    },
+                    PostedOp::Atomic,
+                ),
+                RemoteWr::FetchAdd { addr, rkey, add } => (
+                    SendOp::FetchAdd {
+                        local: sge,
+                        remote_addr: addr,
+                        rkey,
+                        add,
+                    },
+                    PostedOp::Atomic,
+                ),
+            };
+            let wr_id = self.remote_wr_id();
+            wrs.push(SendWr {
+                wr_id,
+                signaled: i == last || (posted == PostedOp::Read && reads_complete_late),
+                solicited: false,
+                op,
+            });
+            records.push((wr_id, posted));
+        }
+        // SAFETY: each SGE names its WR's `local`, a pool buffer registered
+        // with local write on this QP's PD (or, for a READ without
+        // windows, under its sink registered just above), inside its
+        // capacity (checked above). Each is held by this operation's entry
+        // in `self.remote` while its future waits, and pinned in the
+        // ledger under its own WR (recorded right below, for every WR
+        // even when the post fails part way), so that a future dropped
+        // before the completion hands it to the ledger, which frees it
+        // only at that WR's completion or flush (or a later WR's), or
+        // after the QP is destroyed (field order). The program does not
+        // touch them meanwhile: the future gets them back only after the
+        // last WR's completion.
+        let posted = unsafe { self.qp.post_send_batch(&wrs) };
+        drop(wrs);
+        for &(wr_id, op) in &records {
+            self.ledger.record(wr_id, op, Some(wr_id));
+        }
+        let wr_id = records[last].0;
+        let locals = records
+            .iter()
+            .map(|&(key, _)| key)
+            .zip(batch.into_iter().map(|(_, local)| local))
+            .collect();
         let entry = RemoteEntry {
-            local: Some(local),
-            sink,
+            locals,
+            sinks,
             status: None,
+            wrs: records.len() as u16,
         };
         self.insert_remote(wr_id, RemoteKind::Op, entry);
+        if let Err(e) = posted {
+            // Nobody waits: the buffers stay with the ledger, and the
+            // slots until a completion or the QP's end (a failed post
+            // means a failed QP).
+            self.abandon_remote(wr_id);
+            return Err(e);
+        }
         Ok(wr_id)
     }
 
@@ -1122,7 +1296,7 @@ impl MessageQp {
         &mut self,
         wr_id: u64,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<(WcStatus, Option<PoolBuf>)>> {
+    ) -> Poll<Option<(WcStatus, Vec<PoolBuf>)>> {
         let Some(op) = self.remote.get_mut(&wr_id) else {
             return Poll::Ready(None);
         };
@@ -1132,7 +1306,8 @@ impl MessageQp {
         }
         let op = self.remote.remove(&wr_id).expect("checked above");
         self.remote_slot_freed();
-        Poll::Ready(op.status.map(|s| (s, op.local)))
+        let locals = op.locals.into_iter().map(|(_, b)| b).collect();
+        Poll::Ready(op.status.map(|s| (s, locals)))
     }
 
     /// The future waiting for remote WR `wr_id` was dropped (or gave up on
@@ -1149,8 +1324,8 @@ impl MessageQp {
         }
         op.abandoned = true;
         op.waker = None;
-        if let Some(buf) = op.local.take() {
-            drop(self.ledger.release(wr_id, Held::Dest(buf)));
+        for (key, buf) in std::mem::take(&mut op.locals) {
+            drop(self.ledger.release(key, Held::Dest(buf)));
         }
     }
 
@@ -1177,7 +1352,7 @@ impl MessageQp {
     pub(crate) fn remote_completed(&mut self, wr_id: u64, status: WcStatus) {
         // A READ's sink key dies before its buffer can be let go.
         if let Some(op) = self.remote.get_mut(&wr_id) {
-            drop(op.sink.take());
+            op.sinks.clear();
         }
         self.ledger.complete(wr_id);
         let Some(op) = self.remote.get_mut(&wr_id) else {
@@ -1331,7 +1506,7 @@ impl MessageQp {
         let Some(window) = self.grant_windows.get(&grant) else {
             return Ok(None);
         };
-        if abandoned && self.remote.len() >= usize::from(REMOTE_SLOTS) {
+        if abandoned && self.remote_wrs() >= usize::from(REMOTE_SLOTS) {
             if !self.pending_revokes.contains(&grant) {
                 self.pending_revokes.push(grant);
             }

@@ -13,7 +13,7 @@
 //! | offset | size | field        | value                                              |
 //! |-------:|-----:|--------------|----------------------------------------------------|
 //! | 0      | 4    | magic        | [`MAGIC`] = `0x544B_5244` (`"TKRD"`)               |
-//! | 4      | 2    | version      | [`VERSION`] = 8                                    |
+//! | 4      | 2    | version      | [`VERSION`] = 11                                   |
 //! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
 //! | 7      | 1    | flags        | the sender's missing [`Capabilities`]: bit 0 no immediate data, bit 1 no memory windows, bit 2 no atomics; bits 3..7 0 (ignored on receipt) |
 //! | 8      | 8    | ring_addr    | byte stream: virtual address of the sender's receive ring; message endpoint: `max_message_len`, bytes, `1..=2^48` |
@@ -71,8 +71,11 @@ pub const MAGIC: u32 = 0x544B_5244;
 /// byte (iWARP: no immediate data, no windows, no atomics); version 10
 /// lets an iWARP initiator open with an empty CREDIT (a message
 /// endpoint's CREDIT of 0 is valid: MPA's initiator sends the first
-/// frame, [`MessageCore::speak_first`](crate::proto::message::MessageCore::speak_first)).
-pub const VERSION: u16 = 10;
+/// frame, [`MessageCore::speak_first`](crate::proto::message::MessageCore::speak_first));
+/// version 11 adds a message endpoint's NOTIFY (immediate type `110`: an
+/// RDMA WRITE WITH IMMEDIATE into a grant,
+/// [`MsgImm::Notify`](crate::proto::message::MsgImm::Notify)).
+pub const VERSION: u16 = 11;
 
 /// What the sender's device offers, announced in a [`Hello`]'s flags byte
 /// as what it lacks (bit 0 no immediate data, bit 1 no memory windows,
@@ -605,7 +608,7 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x0A, // version
+                0x00, 0x0B, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
@@ -696,13 +699,13 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        for found in [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11] {
+        for found in [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12] {
             bytes[4..6].copy_from_slice(&found.to_be_bytes());
             assert_eq!(
                 Hello::decode(&bytes),
                 Err(HandshakeError::UnsupportedVersion {
                     found,
-                    supported: 10
+                    supported: 11
                 })
             );
         }
@@ -797,7 +800,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x0A, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x0B, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);

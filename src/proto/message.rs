@@ -23,14 +23,32 @@
 //! | `011`       | CREDIT | receive buffers returned, `1..=2^29-1`        | none                      |
 //! | `100`       | ABORT  | error code, `0..=2^29-1`                      | none                      |
 //! | `101`       | CLOSE  | must be 0                                     | none                      |
-//! | `110..111`  | —      | unknown: a protocol error                     |                           |
+//! | `110`       | NOTIFY | the application's value, `0..=2^29-1`         | none: an RDMA WRITE WITH IMMEDIATE into the receiver's grant; `byte_len` is the bytes written |
+//! | `111`       | —      | unknown: a protocol error                     |                           |
 //!
 //! On a device without immediate data (iWARP, RFC 5040) every message is
 //! a plain SEND whose last [`TRAILER_LEN`] (4) bytes carry the immediate,
 //! big-endian ([`encode_trailer`], [`split_trailer`]): the payload then
 //! ends 4 bytes earlier, so `eager_max` is 4 less than the buffers, and a
 //! SEND shorter than the trailer is [`MessageError::MissingTrailer`].
-//! Everything else is the same on every transport.
+//! Everything else is the same on every transport. A NOTIFY there is an
+//! RDMA WRITE followed by a SEND of the written length (4 bytes,
+//! big-endian) and the trailer: the runtime turns that length back into
+//! the completion's `byte_len` before the core sees it.
+//!
+//! # Notifications
+//!
+//! A NOTIFY ([`MessageCore::send_notify`]) writes into memory the
+//! receiver granted (a [`RemoteRegion`](crate::RemoteRegion)) and
+//! consumes a receive buffer there, whose completion carries the
+//! application's 29-bit value and the written length; the buffer itself
+//! is untouched and released at once. For flow control and order it is a
+//! data message: it needs more than [`CONTROL_RESERVE`] credits, is queued
+//! behind the messages sent before it, is handed to the application in
+//! send order ([`Delivery::Notify`]), and its slot becomes returnable when
+//! the application takes it. RC ordering places the written bytes before
+//! the completion that reports them (IBTA 9.5; on iWARP, RFC 5040 section
+//! 5.5: a SEND is delivered after every earlier message was placed).
 //!
 //! A message of at most `eager_max` bytes goes EAGER (inline when at most
 //! `inline_threshold` bytes). A larger one goes by rendezvous: the sender
@@ -194,6 +212,7 @@ const TYPE_DONE: u32 = 0b010;
 const TYPE_CREDIT: u32 = 0b011;
 const TYPE_ABORT: u32 = 0b100;
 const TYPE_CLOSE: u32 = 0b101;
+const TYPE_NOTIFY: u32 = 0b110;
 
 /// A decoded message immediate (see the [module docs](self) for the table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -230,6 +249,13 @@ pub enum MsgImm {
     /// The sender closed: everything of its own is done and it posts
     /// nothing after this (see [Closing](self#closing)).
     Close,
+    /// An RDMA WRITE WITH IMMEDIATE into memory this side granted
+    /// ([Notifications](self#notifications)); the completion's `byte_len`
+    /// is the number of bytes written.
+    Notify {
+        /// The sender's value, `0..=`[`MAX_IMM_VALUE`].
+        value: u32,
+    },
 }
 
 impl MsgImm {
@@ -243,6 +269,7 @@ impl MsgImm {
             MsgImm::Credit { count } => (TYPE_CREDIT, count),
             MsgImm::Abort { code } => (TYPE_ABORT, code),
             MsgImm::Close => (TYPE_CLOSE, 0),
+            MsgImm::Notify { value } => (TYPE_NOTIFY, value),
         };
         (ty << TYPE_SHIFT) | (low & MAX_IMM_VALUE)
     }
@@ -251,7 +278,7 @@ impl MsgImm {
     ///
     /// # Errors
     ///
-    /// [`MessageError::UnknownType`] for types `110..=111`;
+    /// [`MessageError::UnknownType`] for type `111`;
     /// [`MessageError::BadImm`] for a CLOSE with non-zero low bits. (A
     /// CREDIT of 0 is valid since protocol version 10: an iWARP
     /// initiator's opening frame, [`MessageCore::speak_first`].)
@@ -268,6 +295,7 @@ impl MsgImm {
                 reason: "CLOSE with non-zero low 29 bits",
             }),
             TYPE_CLOSE => Ok(MsgImm::Close),
+            TYPE_NOTIFY => Ok(MsgImm::Notify { value: low }),
             _ => Err(MessageError::UnknownType { imm }),
         }
     }
@@ -329,7 +357,7 @@ pub enum MessageError {
         /// What is wrong with it.
         reason: &'static str,
     },
-    /// The top 3 bits of the immediate name no message type (`110..=111`).
+    /// The top 3 bits of the immediate name no message type (`111`).
     #[error("unknown message type in immediate {imm:#010x}")]
     UnknownType {
         /// The immediate as received.
@@ -644,6 +672,32 @@ impl MessageParams {
     }
 }
 
+/// Bytes of the written length a NOTIFY's SEND carries on a device
+/// without immediate data (big-endian, before the trailer).
+pub const NOTIFY_LENGTH_LEN: usize = 4;
+
+/// On a device without immediate data, the written length a NOTIFY's SEND
+/// carries ([`NOTIFY_LENGTH_LEN`] bytes, big-endian), to hand to
+/// [`MessageCore::on_recv`] as its `byte_len`; `None` for any other type
+/// of immediate. `payload` is the SEND's bytes without the trailer.
+///
+/// # Errors
+/// [`MessageError::UnexpectedPayload`] for a NOTIFY whose payload is not
+/// exactly the length.
+pub fn notify_length(imm: u32, payload: &[u8]) -> Result<Option<u32>, MessageError> {
+    if imm >> TYPE_SHIFT != TYPE_NOTIFY {
+        return Ok(None);
+    }
+    let bytes: [u8; NOTIFY_LENGTH_LEN] =
+        payload
+            .try_into()
+            .map_err(|_| MessageError::UnexpectedPayload {
+                imm,
+                byte_len: payload.len() as u32,
+            })?;
+    Ok(Some(u32::from_be_bytes(bytes)))
+}
+
 /// What the sender wants to send: a buffer of the runtime's, named by token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct OutboundMessage {
@@ -654,6 +708,30 @@ pub struct OutboundMessage {
     pub len: u64,
     /// Virtual address of the buffer's first byte (used for rendezvous).
     pub addr: u64,
+}
+
+/// Where a NOTIFY writes: memory the peer granted (see
+/// [Notifications](self#notifications)); checked against the grant by the
+/// runtime before [`MessageCore::send_notify`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NotifyWrite {
+    /// Remote virtual address of the first byte written.
+    pub remote_addr: u64,
+    /// Remote key of the grant.
+    pub rkey: u32,
+    /// The value the peer receives, `0..=`[`MAX_IMM_VALUE`].
+    pub value: u32,
+}
+
+/// Largest RDMA WRITE of a NOTIFY, bytes: 2^31, the largest message an RC
+/// QP carries (IBTA: `max_msg_sz` is at most 2^31).
+pub const MAX_NOTIFY_LEN: u64 = 1 << 31;
+
+/// A queued message, or a NOTIFY's write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Queued {
+    msg: OutboundMessage,
+    notify: Option<NotifyWrite>,
 }
 
 /// A WR to post, from [`MessageCore::poll_transmit`].
@@ -708,6 +786,23 @@ pub enum MsgTransmitKind {
         /// Immediate data (host order).
         imm: u32,
     },
+    /// RDMA WRITE WITH IMMEDIATE of the first `len` bytes of buffer
+    /// `token` to `remote_addr` (a NOTIFY): consumes one receive buffer at
+    /// the peer, like a SEND.
+    WriteNotify {
+        /// The buffer's token.
+        token: u64,
+        /// Bytes written, `0..=`[`MAX_NOTIFY_LEN`].
+        len: u32,
+        /// Remote virtual address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+        /// Immediate data (host order): [`MsgImm::Notify`].
+        imm: u32,
+        /// Post with `IBV_SEND_INLINE` (`len <= inline_threshold`).
+        inline: bool,
+    },
     /// RDMA READ of `len` bytes from `remote_addr` (rkey `rkey`) into
     /// destination `local_token` at byte offset `local_offset`.
     Read {
@@ -738,8 +833,9 @@ pub enum RecvDisposition {
 /// A runtime-level event, from [`MessageCore::poll_event`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MsgEvent {
-    /// The sender's buffer `token` is no longer needed: its EAGER SEND
-    /// completed, or the peer's DONE arrived for its rendezvous.
+    /// The sender's buffer `token` is no longer needed: its EAGER SEND or
+    /// NOTIFY's WRITE completed, or the peer's DONE arrived for its
+    /// rendezvous.
     SendDone {
         /// The buffer's token.
         token: u64,
@@ -785,22 +881,31 @@ pub enum Delivery {
         /// Message length, bytes.
         len: u64,
     },
+    /// The peer wrote `len` bytes into memory this side granted and sent
+    /// `value` with them ([Notifications](self#notifications)); no buffer.
+    Notify {
+        /// The peer's value, `0..=`[`MAX_IMM_VALUE`].
+        value: u32,
+        /// Bytes written.
+        len: u32,
+    },
 }
 
 impl Delivery {
-    /// The message length, bytes.
+    /// The message length (for a NOTIFY: the bytes written), bytes.
     pub fn len(&self) -> u64 {
         match *self {
-            Delivery::Eager { len, .. } => len.into(),
+            Delivery::Eager { len, .. } | Delivery::Notify { len, .. } => len.into(),
             Delivery::Rendezvous { len, .. } => len,
         }
     }
 
-    /// The token of the buffer holding the message.
-    pub fn token(&self) -> u64 {
+    /// The token of the buffer holding the message; `None` for a NOTIFY.
+    pub fn token(&self) -> Option<u64> {
         match *self {
-            Delivery::Eager { recv_buf_token, .. } => recv_buf_token,
-            Delivery::Rendezvous { dest_token, .. } => dest_token,
+            Delivery::Eager { recv_buf_token, .. } => Some(recv_buf_token),
+            Delivery::Rendezvous { dest_token, .. } => Some(dest_token),
+            Delivery::Notify { .. } => None,
         }
     }
 }
@@ -846,6 +951,11 @@ pub struct MessageStats {
     pub credits_piggybacked: u64,
     /// Control messages received.
     pub control_received: u64,
+    /// NOTIFY writes posted (not counted as messages).
+    pub notifications_sent: u64,
+    /// NOTIFYs handed to the application by `poll_recv` (not counted as
+    /// messages).
+    pub notifications_received: u64,
     /// Times a queued message became blocked on peer credit (at most
     /// `CONTROL_RESERVE` left), once per blocked period.
     pub credit_stalls: u64,
@@ -943,6 +1053,10 @@ enum Inbound {
         len: u64,
         dest: Option<u64>,
     },
+    Notify {
+        value: u32,
+        len: u32,
+    },
 }
 
 /// A rendezvous being read, oldest first.
@@ -993,7 +1107,7 @@ pub struct MessageCore {
     opening_credit: bool,
 
     // Send side.
-    queue: VecDeque<OutboundMessage>,
+    queue: VecDeque<Queued>,
     /// Bytes of the messages on `queue`.
     queued_bytes: u64,
     /// RTS posted whose DONE has not arrived: (sequence number, token).
@@ -1234,7 +1348,38 @@ impl MessageCore {
             });
         }
         self.queued_bytes += msg.len;
-        self.queue.push_back(msg);
+        self.queue.push_back(Queued { msg, notify: None });
+        Ok(())
+    }
+
+    /// Queues a NOTIFY: an RDMA WRITE WITH IMMEDIATE of `msg` (its buffer
+    /// named by token, as for [`send`](MessageCore::send)) to `target`, in
+    /// order with the messages queued before and after it (see
+    /// [Notifications](self#notifications)). Its buffer comes back with
+    /// [`MsgEvent::SendDone`] once the WRITE completed. `target.value`
+    /// wider than 29 bits is truncated.
+    ///
+    /// # Errors
+    ///
+    /// [`SendError::TooLong`] above [`MAX_NOTIFY_LEN`]; otherwise as
+    /// [`send`](MessageCore::send). Nothing is queued then.
+    pub fn send_notify(
+        &mut self,
+        msg: OutboundMessage,
+        target: NotifyWrite,
+    ) -> Result<(), SendError> {
+        self.send_state()?;
+        if msg.len > MAX_NOTIFY_LEN {
+            return Err(SendError::TooLong {
+                len: msg.len,
+                max: MAX_NOTIFY_LEN,
+            });
+        }
+        self.queued_bytes += msg.len;
+        self.queue.push_back(Queued {
+            msg,
+            notify: Some(target),
+        });
         Ok(())
     }
 
@@ -1270,10 +1415,16 @@ impl MessageCore {
     /// Takes the next queued message off the queue, keeping
     /// `queued_bytes` in step (the one place besides `send` and
     /// `reclaim_all` that changes the queue).
-    fn dequeue(&mut self) -> Option<OutboundMessage> {
+    fn dequeue(&mut self) -> Option<Queued> {
         let m = self.queue.pop_front()?;
-        self.queued_bytes -= m.len;
+        self.queued_bytes -= m.msg.len;
         Some(m)
+    }
+
+    /// Whether queued item `q` goes in one WR without a rendezvous (an
+    /// EAGER message or a NOTIFY).
+    fn is_direct(&self, q: &Queued) -> bool {
+        q.notify.is_some() || q.msg.len <= u64::from(self.p.eager_max)
     }
 
     /// Bytes of the messages queued and not yet posted (a rendezvous
@@ -1403,7 +1554,7 @@ impl MessageCore {
 
     fn reclaim_all(&mut self) {
         let mut tokens = Vec::new();
-        tokens.extend(self.queue.drain(..).map(|m| m.token));
+        tokens.extend(self.queue.drain(..).map(|m| m.msg.token));
         self.queued_bytes = 0;
         for kind in self.sendq.items_mut() {
             if let WrKind::Eager { token } = *kind {
@@ -1416,7 +1567,7 @@ impl MessageCore {
             match m {
                 Inbound::Eager { token, .. } => tokens.push(token),
                 Inbound::Rendezvous { dest: Some(t), .. } => tokens.push(t),
-                Inbound::Rendezvous { dest: None, .. } => {}
+                Inbound::Rendezvous { dest: None, .. } | Inbound::Notify { .. } => {}
             }
         }
         tokens.extend(self.reading.drain(..).filter_map(|r| r.dest));
@@ -1534,7 +1685,7 @@ impl MessageCore {
             return (self.peer_credit >= 1).then_some(Action::Close);
         }
         if let Some(count) = self.credit_due() {
-            if self.eager_can_go() {
+            if self.eager_can_go() && self.queue.front().is_some_and(|q| q.notify.is_none()) {
                 // It carries the credit.
                 return Some(Action::Eager);
             }
@@ -1564,13 +1715,10 @@ impl MessageCore {
         self.reads_held && self.close == CloseState::Open
     }
 
-    /// The next queued message is EAGER and the peer's credit lets it go.
+    /// The next queued message is EAGER (or a NOTIFY) and the peer's
+    /// credit lets it go.
     fn eager_can_go(&self) -> bool {
-        self.peer_credit > CONTROL_RESERVE
-            && self
-                .queue
-                .front()
-                .is_some_and(|m| m.len <= u64::from(self.p.eager_max))
+        self.peer_credit > CONTROL_RESERVE && self.queue.front().is_some_and(|q| self.is_direct(q))
     }
 
     fn next_action(&self) -> Option<Action> {
@@ -1588,7 +1736,7 @@ impl MessageCore {
             self.stats.credit_stalls += 1;
         }
         self.credit_stalled = credit;
-        let rdv = front.is_some_and(|m| m.len > u64::from(self.p.eager_max))
+        let rdv = front.is_some_and(|q| !self.is_direct(q))
             && self.rts_outstanding.len() >= usize::from(self.p.max_rendezvous_in_flight);
         if rdv && !self.rdv_stalled {
             self.stats.rendezvous_stalls += 1;
@@ -1676,33 +1824,51 @@ impl MessageCore {
                 (kind, WrKind::Read { seq: r.seq, len })
             }
             Action::Eager => {
-                let m = self.dequeue()?;
-                // len <= eager_max <= 2^30.
-                let len = m.len as u32;
-                let inline = len <= self.p.inline_threshold;
-                self.stats.messages_sent += 1;
-                self.stats.bytes_sent += m.len;
-                self.stats.eager_sent += 1;
-                self.stats.inline_sent += u64::from(inline);
-                // Every returnable slot goes back with it.
-                let credit = self.creditable();
-                self.to_return -= credit;
-                if credit > 0 {
-                    self.stats.credits_piggybacked += 1;
-                }
-                let kind = MsgTransmitKind::Eager {
-                    token: m.token,
-                    len,
-                    imm: MsgImm::Eager {
-                        credit: u32::from(credit),
+                let Queued { msg: m, notify } = self.dequeue()?;
+                if let Some(target) = notify {
+                    // len <= MAX_NOTIFY_LEN = 2^31.
+                    let len = m.len as u32;
+                    self.stats.notifications_sent += 1;
+                    let kind = MsgTransmitKind::WriteNotify {
+                        token: m.token,
+                        len,
+                        remote_addr: target.remote_addr,
+                        rkey: target.rkey,
+                        imm: MsgImm::Notify {
+                            value: target.value,
+                        }
+                        .encode(),
+                        inline: len <= self.p.inline_threshold,
+                    };
+                    (kind, WrKind::Eager { token: m.token })
+                } else {
+                    // len <= eager_max <= 2^30.
+                    let len = m.len as u32;
+                    let inline = len <= self.p.inline_threshold;
+                    self.stats.messages_sent += 1;
+                    self.stats.bytes_sent += m.len;
+                    self.stats.eager_sent += 1;
+                    self.stats.inline_sent += u64::from(inline);
+                    // Every returnable slot goes back with it.
+                    let credit = self.creditable();
+                    self.to_return -= credit;
+                    if credit > 0 {
+                        self.stats.credits_piggybacked += 1;
                     }
-                    .encode(),
-                    inline,
-                };
-                (kind, WrKind::Eager { token: m.token })
+                    let kind = MsgTransmitKind::Eager {
+                        token: m.token,
+                        len,
+                        imm: MsgImm::Eager {
+                            credit: u32::from(credit),
+                        }
+                        .encode(),
+                        inline,
+                    };
+                    (kind, WrKind::Eager { token: m.token })
+                }
             }
             Action::Rts => {
-                let m = self.dequeue()?;
+                let m = self.dequeue()?.msg;
                 let seq = self.next_rts_seq;
                 self.next_rts_seq = (seq + 1) & MAX_IMM_VALUE;
                 self.rts_outstanding.push_back((seq, m.token));
@@ -1898,7 +2064,11 @@ impl MessageCore {
             });
         }
         let msg = MsgImm::decode(imm)?;
-        if !matches!(msg, MsgImm::Eager { .. } | MsgImm::Rts { .. }) && byte_len != 0 {
+        if !matches!(
+            msg,
+            MsgImm::Eager { .. } | MsgImm::Rts { .. } | MsgImm::Notify { .. }
+        ) && byte_len != 0
+        {
             return Err(MessageError::UnexpectedPayload { imm, byte_len });
         }
         let aborted_here = self.local_abort.is_some() || self.lost;
@@ -2026,6 +2196,17 @@ impl MessageCore {
                 self.stats.control_received += 1;
                 Ok(RecvDisposition::Release)
             }
+            MsgImm::Notify { value } => {
+                if aborted_here {
+                    self.to_return += 1;
+                } else {
+                    self.inbox.push_back(Inbound::Notify {
+                        value,
+                        len: byte_len,
+                    });
+                }
+                Ok(RecvDisposition::Release)
+            }
         }
     }
 
@@ -2069,20 +2250,34 @@ impl MessageCore {
                 Delivery::Rendezvous { dest_token: t, len }
             }
             Inbound::Rendezvous { dest: None, .. } => return None,
+            Inbound::Notify { value, len } => Delivery::Notify { value, len },
         };
         self.inbox.pop_front();
         self.inbox_base += 1;
         self.to_return += 1;
-        self.stats.messages_received += 1;
-        self.stats.bytes_received += delivery.len();
+        if let Delivery::Notify { .. } = delivery {
+            self.stats.notifications_received += 1;
+        } else {
+            self.stats.messages_received += 1;
+            self.stats.bytes_received += delivery.len();
+        }
         Some(delivery)
+    }
+
+    /// Whether the next delivery, complete or not, is a NOTIFY.
+    pub fn next_is_notify(&self) -> bool {
+        matches!(self.inbox.front(), Some(Inbound::Notify { .. }))
     }
 
     /// Whether [`poll_recv`](MessageCore::poll_recv) would return a message.
     pub fn has_deliverable(&self) -> bool {
         matches!(
             self.inbox.front(),
-            Some(Inbound::Eager { .. } | Inbound::Rendezvous { dest: Some(_), .. })
+            Some(
+                Inbound::Eager { .. }
+                    | Inbound::Rendezvous { dest: Some(_), .. }
+                    | Inbound::Notify { .. }
+            )
         )
     }
 

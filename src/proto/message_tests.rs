@@ -16,10 +16,10 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 
 use super::message::{
-    CONTROL_RESERVE, Delivery, MAX_IMM_VALUE, MessageCore, MessageError, MessageParams,
-    MessageStats, MsgEvent, MsgImm, MsgTransmit, MsgTransmitKind, OutboundMessage, RTS_HEADER_LEN,
-    RecvDisposition, RtsHeader, SendError, TRAILER_LEN, abort_code_reason, encode_trailer,
-    split_trailer,
+    CONTROL_RESERVE, Delivery, MAX_IMM_VALUE, MAX_NOTIFY_LEN, MessageCore, MessageError,
+    MessageParams, MessageStats, MsgEvent, MsgImm, MsgTransmit, MsgTransmitKind, NotifyWrite,
+    OutboundMessage, RTS_HEADER_LEN, RecvDisposition, RtsHeader, SendError, TRAILER_LEN,
+    abort_code_reason, encode_trailer, notify_length, split_trailer,
 };
 
 // ----- deterministic randomness ---------------------------------------------
@@ -126,6 +126,19 @@ fn rkey_of(token: u64) -> u32 {
     0x5000_0000 | token as u32
 }
 
+/// Where NOTIFY number `idx` of a side writes in its peer's grant (a
+/// slot each, so writes not yet taken never overlap).
+fn grant_addr(idx: u64) -> u64 {
+    0x7000_0000_0000 + (idx << 32)
+}
+
+/// The key of every side's grant in the simulation.
+const GRANT_RKEY: u32 = 0x6000_0001;
+
+/// In a schedule's list of lengths, a length with this bit is a NOTIFY of
+/// the rest.
+const NOTIFY: u64 = 1 << 63;
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct InFlight {
     t: MsgTransmit,
@@ -140,8 +153,13 @@ struct Side {
     /// Every buffer this side's runtime owns, by token.
     bufs: BTreeMap<u64, Vec<u8>>,
     next_token: u64,
-    /// Lengths of the messages queued so far, in order.
+    /// Lengths of the messages (and NOTIFYs) queued so far, in order.
     lens: Vec<u64>,
+    /// Which of them are NOTIFYs.
+    notifies: Vec<bool>,
+    /// What the peer's NOTIFYs wrote into this side's grant, by address,
+    /// until the application takes the notification.
+    landed: BTreeMap<u64, Vec<u8>>,
     /// Messages taken by the application so far (checked).
     taken: u64,
     posted: u64,
@@ -189,6 +207,8 @@ impl Side {
             bufs: BTreeMap::new(),
             next_token: 1,
             lens: Vec::new(),
+            notifies: Vec::new(),
+            landed: BTreeMap::new(),
             taken: 0,
             posted: 0,
             wire: VecDeque::new(),
@@ -244,7 +264,59 @@ impl Side {
         let idx = self.lens.len() as u64;
         self.bufs.insert(token, content(self.id, idx, len));
         self.lens.push(len);
+        self.notifies.push(false);
         Ok(())
+    }
+
+    /// Queues the next item: a message of `len` bytes, or with the
+    /// [`NOTIFY`] bit a NOTIFY writing the rest.
+    fn send_item(&mut self, len: u64) -> Result<(), SendError> {
+        if len & NOTIFY != 0 {
+            self.notify(len & !NOTIFY)
+        } else {
+            self.send(len)
+        }
+    }
+
+    /// Queues a NOTIFY writing `len` bytes into the peer's grant, with its
+    /// index as the value.
+    fn notify(&mut self, len: u64) -> Result<(), SendError> {
+        let token = self.new_token();
+        let idx = self.lens.len() as u64;
+        let msg = OutboundMessage {
+            token,
+            len,
+            addr: addr_of(token),
+        };
+        let target = NotifyWrite {
+            remote_addr: grant_addr(idx),
+            rkey: GRANT_RKEY,
+            value: idx as u32 & MAX_IMM_VALUE,
+        };
+        self.core.send_notify(msg, target)?;
+        self.bufs.insert(token, content(self.id, idx, len));
+        self.lens.push(len);
+        self.notifies.push(true);
+        Ok(())
+    }
+
+    /// Items queued that are messages (not NOTIFYs): (count, bytes,
+    /// rendezvous count, rendezvous bytes).
+    fn message_totals(&self) -> (u64, u64, u64, u64) {
+        let big = u64::from(self.core.params().eager_max);
+        let mut t = (0, 0, 0, 0);
+        for (&len, &n) in self.lens.iter().zip(&self.notifies) {
+            if n {
+                continue;
+            }
+            t.0 += 1;
+            t.1 += len;
+            if len > big {
+                t.2 += 1;
+                t.3 += len;
+            }
+        }
+        t
     }
 
     fn post_one(&mut self) -> Option<MsgTransmit> {
@@ -297,6 +369,22 @@ impl Side {
                 // sends the header with that key.
                 let rkey = rkey_of(token);
                 Some(RtsHeader { len, addr, rkey }.encode().to_vec())
+            }
+            MsgTransmitKind::WriteNotify {
+                token,
+                len,
+                remote_addr,
+                rkey,
+                imm,
+                inline,
+            } => {
+                assert!(matches!(MsgImm::decode(imm), Ok(MsgImm::Notify { .. })));
+                assert_eq!(inline, len <= p.inline_threshold);
+                assert_eq!(rkey, GRANT_RKEY);
+                assert_eq!(remote_addr & 0xFFFF_FFFF, 0, "{t:?}");
+                let buf = self.bufs.get(&token).expect("NOTIFY of a live buffer");
+                assert_eq!(buf.len(), len as usize);
+                inline.then(|| buf.clone())
             }
             MsgTransmitKind::Control { imm } => {
                 assert!(
@@ -461,6 +549,28 @@ impl Pair {
                 let (imm, payload) = dst.unframe(imm, Vec::new());
                 dst.core.on_recv(imm, payload.len() as u32, rb, &payload)
             }
+            MsgTransmitKind::WriteNotify {
+                token,
+                len,
+                remote_addr,
+                imm,
+                ..
+            } => {
+                // The WRITE lands first (RC order), then the receive
+                // completes: with the immediate and the written length,
+                // or, framed, as a SEND of the length and the trailer.
+                let data = copied.unwrap_or_else(|| src.bufs[&token][..len as usize].to_vec());
+                assert!(dst.landed.insert(remote_addr, data).is_none());
+                let rb = dst.new_token();
+                let (imm, byte_len) = if dst.trailer {
+                    let (imm, payload) = dst.unframe(imm, len.to_be_bytes().to_vec());
+                    let written = notify_length(imm, &payload).expect("a length");
+                    (imm, written.expect("a NOTIFY"))
+                } else {
+                    (imm, len)
+                };
+                dst.core.on_recv(imm, byte_len, rb, &[])
+            }
         };
         if let Ok(d) = result {
             if !matches!(t.kind, MsgTransmitKind::Eager { .. }) {
@@ -495,13 +605,27 @@ impl Pair {
             "length of message {idx} from side {}",
             peer.id
         );
+        assert_eq!(
+            matches!(d, Delivery::Notify { .. }),
+            peer.notifies[idx as usize],
+            "kind of item {idx} from side {}",
+            peer.id
+        );
         if let Delivery::Eager { .. } = d {
             assert!(len <= u64::from(me.core.params().eager_max));
         }
-        let buf = me
-            .bufs
-            .remove(&d.token())
-            .expect("delivered buffer is live");
+        let buf = match d {
+            Delivery::Notify { value, .. } => {
+                assert_eq!(value, idx as u32 & MAX_IMM_VALUE);
+                me.landed
+                    .remove(&grant_addr(idx))
+                    .expect("the write landed")
+            }
+            _ => me
+                .bufs
+                .remove(&d.token().expect("a message's buffer"))
+                .expect("delivered buffer is live"),
+        };
         assert!(
             buf[..len as usize] == content(peer.id, idx, len),
             "content of message {idx} from side {}",
@@ -605,26 +729,30 @@ impl Pair {
             assert_eq!(me.core.queued(), 0);
             assert_eq!(me.core.queued_bytes(), 0);
             assert_eq!(me.core.pending_recv(), 0);
+            assert!(me.landed.is_empty(), "side {side} left notifications");
             let s = me.core.stats();
             let ps = peer.core.stats();
-            let big = u64::from(me.core.params().eager_max);
-            let rdv = me.lens.iter().filter(|&&l| l > big).count() as u64;
-            assert_eq!(s.messages_sent, me.lens.len() as u64);
-            assert_eq!(s.bytes_sent, me.lens.iter().sum::<u64>());
+            let (msgs, bytes, rdv, _) = me.message_totals();
+            let (peer_msgs, _, _, peer_rdv_bytes) = peer.message_totals();
+            let notifies = me.notifies.iter().filter(|&&n| n).count() as u64;
+            assert_eq!(s.messages_sent, msgs);
+            assert_eq!(s.notifications_sent, notifies);
+            assert_eq!(s.notifications_received, ps.notifications_sent);
+            assert_eq!(s.bytes_sent, bytes);
             assert_eq!(
                 (s.rendezvous_sent, s.eager_sent),
                 (rdv, s.messages_sent - rdv)
             );
-            assert_eq!(s.messages_received, peer.lens.len() as u64);
+            assert_eq!(s.messages_received, peer_msgs);
             assert_eq!(s.bytes_received, ps.bytes_sent);
             assert_eq!(s.eager_received, ps.eager_sent);
             assert_eq!(s.rendezvous_received, ps.rendezvous_sent);
-            assert_eq!(
-                s.read_bytes,
-                peer.lens.iter().filter(|&&l| l > big).sum::<u64>()
-            );
+            assert_eq!(s.read_bytes, peer_rdv_bytes);
             assert_eq!(s.wrs_posted, me.posted);
-            assert_eq!(s.wrs_posted, s.messages_sent + s.control_sent + s.read_wrs);
+            assert_eq!(
+                s.wrs_posted,
+                s.messages_sent + s.control_sent + s.read_wrs + s.notifications_sent
+            );
             assert_eq!(s.control_received, ps.control_sent);
             assert_eq!(
                 me.count_events(|e| matches!(e, MsgEvent::SendDone { .. })),
@@ -726,6 +854,13 @@ fn rts_header_and_immediates_have_exact_encodings() {
     assert_eq!(MsgImm::Abort { code: 7 }.encode(), 0x8000_0007);
     assert_eq!(MsgImm::Close.encode(), 0xA000_0000);
     assert_eq!(MsgImm::decode(0xA000_0000), Ok(MsgImm::Close));
+    assert_eq!(MsgImm::Notify { value: 0x1234 }.encode(), 0xC000_1234);
+    assert_eq!(
+        MsgImm::decode(0xDFFF_FFFF),
+        Ok(MsgImm::Notify {
+            value: MAX_IMM_VALUE
+        })
+    );
     // Every type pattern: decode then encode gives back the bits, or an
     // exact error.
     let mut rng = Rng::new(99);
@@ -735,7 +870,7 @@ fn rts_header_and_immediates_have_exact_encodings() {
             Ok(imm) => assert_eq!(imm.encode(), x),
             Err(MessageError::UnknownType { imm }) => {
                 assert_eq!(imm, x);
-                assert!(x >> 29 >= 0b110);
+                assert_eq!(x >> 29, 0b111);
             }
             Err(MessageError::BadImm { imm, .. }) => {
                 assert_eq!(imm, x);
@@ -1035,11 +1170,11 @@ fn bad_input_each_error_aborts_with_its_code() {
     let rts0 = MsgImm::Rts { seq: 0 }.encode();
     let cases: Vec<(&str, u32, u32, Vec<u8>, MessageError)> = vec![
         (
-            "unknown type 110",
-            0xC000_0000,
+            "unknown type 111",
+            0xE000_0000,
             0,
             vec![],
-            MessageError::UnknownType { imm: 0xC000_0000 },
+            MessageError::UnknownType { imm: 0xE000_0000 },
         ),
         (
             "CLOSE low bits",
@@ -1544,7 +1679,13 @@ fn random_schedule(seed: u64) -> Pair {
                         2 => rng.range(big, big + 2),
                         _ => rng.range(1, 5000),
                     };
-                    pair.s[side].send(len).unwrap();
+                    // One in five items a NOTIFY (any length: it never
+                    // goes by rendezvous).
+                    if rng.chance(20) {
+                        pair.s[side].notify(len).unwrap();
+                    } else {
+                        pair.s[side].send(len).unwrap();
+                    }
                 }
             }
             2 => {
@@ -1668,7 +1809,7 @@ fn explore_from(start: Pair, msgs: [&[u64]; 2], closers: [bool; 2]) -> usize {
             let me = &pair.s[side];
             if me.lens.len() < msgs[side].len() {
                 let mut next = pair.clone();
-                next.s[side].send(msgs[side][me.lens.len()]).unwrap();
+                next.s[side].send_item(msgs[side][me.lens.len()]).unwrap();
                 push(next);
             }
             let mut next = pair.clone();
@@ -1725,6 +1866,7 @@ fn explore_from(start: Pair, msgs: [&[u64]; 2], closers: [bool; 2]) -> usize {
                 assert_eq!(pair.s[1 - side].taken, msgs[side].len() as u64);
                 assert!(me.core.all_sent());
                 assert!(me.bufs.is_empty(), "leak: {pair:#?}");
+                assert!(me.landed.is_empty(), "notification not taken: {pair:#?}");
                 assert!(me.wire.is_empty() && me.completions.is_empty());
                 if closers[side] {
                     assert!(!me.core.close_blocked(), "{pair:#?}");
@@ -1818,6 +1960,120 @@ fn exhaustive_trailer_framing_reaches_the_same_states() {
         ),
         982
     );
+}
+
+/// NOTIFYs (RDMA WRITE WITH IMMEDIATE) between messages, both ways and
+/// framed as on iWARP: every schedule ends with everything delivered in
+/// order, nothing held and no deadlock; framing changes no state count.
+#[test]
+fn exhaustive_notifications_never_deadlock() {
+    let tiny = Cfg {
+        eager_buf_len: 24,
+        ..TINY
+    };
+    const fn n(len: u64) -> u64 {
+        NOTIFY | len
+    }
+    /// Items of each side, which sides close, states.
+    type Case<'a> = ([&'a [u64]; 2], [bool; 2], usize);
+    let cases: [Case; 3] = [
+        // A rendezvous, a NOTIFY longer than eager_max, an eager message.
+        ([&[3, n(5), 1], &[]], [false, false], 1340),
+        // NOTIFYs both ways, more than the credit one way.
+        ([&[n(0), n(1), n(2), n(0)], &[n(2)]], [false, false], 25_321),
+        // A NOTIFY each, then both close.
+        ([&[n(1)], &[n(0)]], [true, true], 422),
+    ];
+    for (msgs, closers, states) in cases {
+        let plain = explore_from(Pair::new(tiny, tiny), msgs, closers);
+        let framed = explore_from(Pair::with_trailer(tiny, tiny), msgs, closers);
+        assert_eq!((plain, framed), (states, states), "{msgs:?}");
+    }
+}
+
+#[test]
+fn notifications_keep_send_order_and_land_exactly() {
+    let mut pair = Pair::symmetric(Cfg::default());
+    // A NOTIFY far beyond eager_max still goes in one WR.
+    for item in [10, NOTIFY | 100, 9000, NOTIFY, NOTIFY | 20_000, 7] {
+        pair.s[A].send_item(item).unwrap();
+    }
+    pair.drive();
+    let kinds: Vec<(u64, bool)> = pair.s[A]
+        .log
+        .iter()
+        .filter_map(|t| match t.kind {
+            MsgTransmitKind::WriteNotify { len, imm, .. } => {
+                let value = match MsgImm::decode(imm) {
+                    Ok(MsgImm::Notify { value }) => value,
+                    other => panic!("{other:?}"),
+                };
+                Some((u64::from(len) | u64::from(value) << 40, true))
+            }
+            MsgTransmitKind::Eager { len, .. } => Some((u64::from(len), false)),
+            MsgTransmitKind::Rts { len, .. } => Some((len, false)),
+            _ => None,
+        })
+        .collect();
+    // Values are the item indexes (1, 3, 4).
+    assert_eq!(
+        kinds,
+        vec![
+            (10, false),
+            (100 | 1 << 40, true),
+            (9000, false),
+            (3 << 40, true),
+            (20_000 | 4 << 40, true),
+            (7, false)
+        ]
+    );
+    let (a, b) = (pair.s[A].core.stats(), pair.s[B].core.stats());
+    assert_eq!((a.notifications_sent, b.notifications_received), (3, 3));
+    assert_eq!((a.messages_sent, b.messages_received), (3, 3));
+    assert_eq!(b.bytes_received, 10 + 9000 + 7);
+    assert_eq!(pair.s[B].taken, 6);
+    pair.assert_done();
+}
+
+#[test]
+fn a_notify_is_refused_beyond_two_gib_and_its_length_must_be_exact() {
+    let mut core = MessageCore::new(params(Cfg::default(), Cfg::default())).unwrap();
+    let target = NotifyWrite {
+        remote_addr: 0x1000,
+        rkey: 7,
+        value: 1,
+    };
+    let msg = |len| OutboundMessage {
+        token: 1,
+        len,
+        addr: 0x2000,
+    };
+    assert_eq!(
+        core.send_notify(msg(MAX_NOTIFY_LEN + 1), target),
+        Err(SendError::TooLong {
+            len: MAX_NOTIFY_LEN + 1,
+            max: MAX_NOTIFY_LEN
+        })
+    );
+    assert_eq!(core.queued(), 0);
+    core.send_notify(msg(MAX_NOTIFY_LEN), target).unwrap();
+    assert_eq!(core.queued_bytes(), MAX_NOTIFY_LEN);
+    // Framed (iWARP): the SEND after the WRITE carries the length.
+    let imm = MsgImm::Notify { value: 9 }.encode();
+    assert_eq!(notify_length(imm, &[0, 1, 0, 2]), Ok(Some(0x0001_0002)));
+    assert_eq!(
+        notify_length(MsgImm::Eager { credit: 0 }.encode(), &[1]),
+        Ok(None)
+    );
+    for bad in [&[][..], &[1, 2, 3], &[1, 2, 3, 4, 5]] {
+        assert_eq!(
+            notify_length(imm, bad),
+            Err(MessageError::UnexpectedPayload {
+                imm,
+                byte_len: bad.len() as u32
+            })
+        );
+    }
 }
 
 #[test]

@@ -122,9 +122,11 @@ impl<K: Copy + Eq + Hash, O> Ledger<K, O> {
     /// posted before it are done. Frees the retired owners no remaining WR
     /// names and returns how many. A `wr_id` the ledger does not hold (a WR
     /// it never recorded, or one already covered by a later completion)
-    /// changes nothing.
+    /// changes nothing. WRs posted together as one (a NOTIFY's WRITE and
+    /// SEND without immediate data) may share a `wr_id`: the completion
+    /// covers the last one recorded.
     pub(crate) fn complete(&mut self, wr_id: u64) -> usize {
-        let Some(at) = self.posted.iter().position(|p| p.wr_id == wr_id) else {
+        let Some(at) = self.posted.iter().rposition(|p| p.wr_id == wr_id) else {
             return 0;
         };
         let mut freed = 0;
@@ -232,6 +234,23 @@ mod tests {
         fn freed(&self) -> Vec<&'static str> {
             self.freed.borrow().clone()
         }
+    }
+
+    #[test]
+    fn a_completion_covers_every_wr_recorded_with_its_wr_id() {
+        // A NOTIFY without immediate data: an unsignaled WRITE of the
+        // message and a SEND of its length, both numbered 5.
+        let mut qp = FakeQp::new();
+        qp.ledger.record(5, PostedOp::Write, Some(9));
+        qp.ledger.record(5, PostedOp::Send, None);
+        let later = qp.post(PostedOp::Send, None);
+        assert_eq!(qp.ledger.op(5), Some(PostedOp::Write));
+        assert!(qp.ledger.release(9, qp.owner("write")).is_none());
+        assert_eq!(qp.ledger.complete(5), 1);
+        assert_eq!(qp.freed(), vec!["write"]);
+        assert_eq!(qp.ledger.op(5), None);
+        assert_eq!(qp.ledger.posted.len(), 1);
+        assert_eq!(qp.ledger.op(later), Some(PostedOp::Send));
     }
 
     #[test]
