@@ -566,6 +566,75 @@ async fn killed_peer_process_is_an_error_not_eof() {
     );
 }
 
+/// Starts `examples/echo` serving on `addr`, and connects once it listens
+/// (a server that could not bind yet exits and is started again).
+async fn echo_server_and_client(addr: SocketAddr) -> (tokio::process::Child, RdmaStream) {
+    let echo_bin = example("echo");
+    let spawn = || {
+        tokio::process::Command::new(&echo_bin)
+            .args(["server", &addr.to_string()])
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    };
+    let mut child = spawn();
+    for _ in 0..1200 {
+        if let Ok(c) = RdmaStream::connect(addr).await {
+            return (child, c);
+        }
+        if child.try_wait().unwrap().is_some() {
+            child = spawn();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the echo server never came up on {addr}");
+}
+
+/// A server process killed and started again on the same port while a
+/// connection of its first life still stands (the item of the
+/// device/link issue "a peer restarting on the same address"): new
+/// connections reach the new process and echo exactly, and the old one
+/// fails with `ConnectionReset`/`ConnectionAborted` (never EOF, never the
+/// new process's bytes) within 60 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_restarted_on_the_same_port_serves_while_the_old_connection_fails() {
+    let addr: SocketAddr = format!("{IP}:7641").parse().unwrap();
+    let (mut first, mut old) = echo_server_and_client(addr).await;
+    old.write_all(b"first life").await.unwrap();
+    let mut back = [0u8; 10];
+    old.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"first life");
+    first.kill().await.unwrap();
+    let (_second, new) = echo_server_and_client(addr).await;
+    let (mut rd, mut wr) = new.into_split();
+    let data: Vec<u8> = (0..65_536u32).map(|i| (i % 251) as u8).collect();
+    let expect = data.clone();
+    let writer = tokio::spawn(async move {
+        wr.write_all(&data).await.unwrap();
+        wr.shutdown().await.unwrap();
+    });
+    let mut echoed = Vec::new();
+    rd.read_to_end(&mut echoed).await.unwrap();
+    writer.await.unwrap();
+    assert!(echoed == expect, "the new process's echo");
+    let mut buf = [0u8; 64];
+    let old_err = match tokio::time::timeout(Duration::from_secs(60), old.read(&mut buf))
+        .await
+        .expect("the old connection fails within 60 s")
+    {
+        Ok(0) => panic!("EOF on the old connection: must be an error"),
+        Ok(n) => panic!("{n} bytes on the old connection after its server died"),
+        Err(e) => e,
+    };
+    assert!(
+        matches!(
+            old_err.kind(),
+            io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted
+        ),
+        "{old_err:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn linger_gives_up_on_a_peer_that_never_reads() {
     // The server's ring (8191 bytes) fills and is never drained; the client
