@@ -153,9 +153,11 @@ struct RemoteOp {
     /// The task waiting for it (none once its future was dropped).
     waker: Option<Waker>,
     /// The local buffers its WRs read (WRITE) or write (READ, atomics),
-    /// in posting order, each with the ledger key it is pinned under (its
-    /// WR's wr_id), while its future waits; pinned until the completion.
-    locals: Vec<(u64, PoolBuf)>,
+    /// in posting order, while its future waits; each is pinned in the
+    /// ledger under its own WR's wr_id until that WR's completion. A
+    /// batch's WRs have consecutive wr_ids ending with the operation's,
+    /// so buffer `i` of `n` is pinned under `wr_id - (n - 1 - i)`.
+    locals: Vec<PoolBuf>,
     /// Its future was dropped: nobody takes the result.
     abandoned: bool,
     /// Without memory windows, its RDMA READs' sink registrations over
@@ -169,7 +171,7 @@ struct RemoteOp {
 /// What a new [`RemoteOp`] starts with besides its kind.
 struct RemoteEntry {
     /// Its local buffers ([`RemoteOp::locals`]).
-    locals: Vec<(u64, PoolBuf)>,
+    locals: Vec<PoolBuf>,
     /// Its READ sinks' registrations ([`RemoteOp::sinks`]).
     sinks: Vec<MemoryRegistration>,
     /// A status already known (a grant complete without a WR).
@@ -997,6 +999,53 @@ fn message_payload(
     })
 }
 
+/// The send-queue operation of one-sided WR `wr` over `sge`, and what the
+/// ledger records of it.
+fn remote_send_op(wr: RemoteWr, sge: Sge) -> (SendOp<'static>, PostedOp) {
+    match wr {
+        RemoteWr::Read { addr, rkey, .. } => (
+            SendOp::Read {
+                local: sge,
+                remote_addr: addr,
+                rkey,
+            },
+            PostedOp::Read,
+        ),
+        RemoteWr::Write { addr, rkey, .. } => (
+            SendOp::Write {
+                payload: SendPayload::Sge(sge),
+                remote_addr: addr,
+                rkey,
+            },
+            PostedOp::Write,
+        ),
+        RemoteWr::CompareSwap {
+            addr,
+            rkey,
+            compare,
+            swap,
+        } => (
+            SendOp::CompareSwap {
+                local: sge,
+                remote_addr: addr,
+                rkey,
+                compare,
+                swap,
+            },
+            PostedOp::Atomic,
+        ),
+        RemoteWr::FetchAdd { addr, rkey, add } => (
+            SendOp::FetchAdd {
+                local: sge,
+                remote_addr: addr,
+                rkey,
+                add,
+            },
+            PostedOp::Atomic,
+        ),
+    }
+}
+
 /// The SEND of a message with immediate `imm` on a device without
 /// immediate data: `payload` followed by the 4-byte trailer carrying
 /// `imm`, inline when the payload is (or empty), from the trailer's slot
@@ -1111,15 +1160,100 @@ impl MessageQp {
         );
     }
 
+    /// Bytes a one-sided WR touches in its local buffer `local` (the
+    /// READ's destination, the WRITE's source, the atomic's 8-byte
+    /// result), checked against its capacity and, for an atomic, the
+    /// device.
+    fn remote_need(&self, wr: RemoteWr, local: &PoolBuf) -> Result<usize> {
+        let need = match wr {
+            RemoteWr::Read { len, .. } | RemoteWr::Write { len, .. } => len as usize,
+            RemoteWr::CompareSwap { .. } | RemoteWr::FetchAdd { .. } => {
+                self.qp.device().check_atomics()?;
+                8
+            }
+        };
+        if need > local.capacity() {
+            return Err(internal(format!(
+                "remote operation of {need} bytes with a local buffer of {}",
+                local.capacity()
+            )));
+        }
+        Ok(need)
+    }
+
+    /// The SGE of a one-sided WR over the first `need` bytes of `local`,
+    /// and, without windows, a READ's sink registered over exactly those
+    /// bytes (see `ScopedKeys::sinks`), to keep with the operation until
+    /// its completion.
+    ///
+    /// # Safety
+    /// `local` must stay allocated until the returned sink is dropped
+    /// (the operation's entry holds both, and `remote_completed` drops
+    /// the sinks before the ledger or the future lets the buffer go).
+    unsafe fn remote_sge(
+        &mut self,
+        wr: RemoteWr,
+        local: &PoolBuf,
+        need: usize,
+    ) -> Result<(Sge, Option<MemoryRegistration>)> {
+        let sink = match wr {
+            RemoteWr::Read { .. } if self.qp.has_own_pd() => {
+                // SAFETY: the caller keeps `local` until the sink drops.
+                Some(unsafe {
+                    self.register_scoped(local.addr(), need as u64, MrAccess::LocalWriteRemoteWrite)
+                }?)
+            }
+            _ => None,
+        };
+        let sge = Sge {
+            addr: local.addr(),
+            len: need as u32,
+            lkey: sink.as_ref().map_or(local.lkey(), |m| m.lkey()),
+        };
+        Ok((sge, sink))
+    }
+
     /// Posts one signaled one-sided WR with `local` as its local buffer
     /// (the READ's destination, the WRITE's source, the atomic's 8-byte
     /// result) and returns its wr_id. The caller checked the remote range
     /// against the grant; the local length is checked here.
     ///
     /// # Errors
-    /// As [`post_remote_batch`](Self::post_remote_batch).
+    /// [`Error::Internal`] for a local buffer too short;
+    /// [`Error::NoAtomics`] for an atomic on a device without them;
+    /// [`Error::Verbs`] if the post fails (nothing was posted: a single
+    /// WR is taken whole or not at all, and `local` is freed).
     pub(crate) fn post_remote(&mut self, wr: RemoteWr, local: PoolBuf) -> Result<u64> {
-        self.post_remote_batch(vec![(wr, local)])
+        let need = self.remote_need(wr, &local)?;
+        // SAFETY: `local` goes into this operation's entry with the sink.
+        let (sge, sink) = unsafe { self.remote_sge(wr, &local, need) }?;
+        let (op, posted) = remote_send_op(wr, sge);
+        let wr_id = self.remote_wr_id();
+        let wrs = [SendWr {
+            wr_id,
+            signaled: true,
+            solicited: false,
+            op,
+        }];
+        // SAFETY: the SGE names `local`, a pool buffer registered with
+        // local write on this QP's PD (or, for a READ without windows,
+        // under its sink), inside its capacity (checked above). It is held
+        // by this operation's entry in `self.remote` while its future
+        // waits, and pinned in the ledger (recorded right below) so that a
+        // future dropped before the completion hands it to the ledger,
+        // which frees it only at the completion or flush, or after the QP
+        // is destroyed (field order). The program does not touch it
+        // meanwhile: the future gets it back only after the completion.
+        unsafe { self.qp.post_send_batch(&wrs) }?;
+        self.ledger.record(wr_id, posted, Some(wr_id));
+        let entry = RemoteEntry {
+            locals: vec![local],
+            sinks: sink.into_iter().collect(),
+            status: None,
+            wrs: 1,
+        };
+        self.insert_remote(wr_id, RemoteKind::Op, entry);
+        Ok(wr_id)
     }
 
     /// Posts one-sided WRs, each with its local buffer, with one doorbell:
@@ -1127,119 +1261,34 @@ impl MessageQp {
     /// says every one is done; on a device whose READ completions may come
     /// late every READ is signaled as well). Returns the operation's wr_id
     /// (the last WR's). The caller checked the remote ranges against their
-    /// grants and took `wrs.len()` remote slots; local lengths are checked
-    /// here, before anything is posted.
+    /// grants and took `batch.len()` remote slots; local lengths are
+    /// checked here, before anything is posted.
     ///
     /// # Errors
-    /// [`Error::Internal`] for an empty batch or a local buffer too short;
-    /// [`Error::NoAtomics`] for an atomic on a device without them;
-    /// [`Error::Verbs`] if the post fails (the ledger keeps every WR the
-    /// NIC may have taken, and the buffers stay with it until their
-    /// completion or flush).
+    /// As [`post_remote`](Self::post_remote), and [`Error::Internal`] for
+    /// an empty batch. A post that fails part way leaves the WRs the NIC
+    /// may have taken, and their buffers, with the ledger until their
+    /// completion or flush.
     pub(crate) fn post_remote_batch(&mut self, batch: Vec<(RemoteWr, PoolBuf)>) -> Result<u64> {
         if batch.is_empty() {
             return Err(internal("an empty batch of remote operations".into()));
         }
-        let reads_complete_late = self.qp.device().reads_complete_late;
-        let mut needs = Vec::with_capacity(batch.len());
         for (wr, local) in &batch {
-            let need = match *wr {
-                RemoteWr::Read { len, .. } => len as usize,
-                RemoteWr::Write { len, .. } => len as usize,
-                RemoteWr::CompareSwap { .. } | RemoteWr::FetchAdd { .. } => {
-                    self.qp.device().check_atomics()?;
-                    8
-                }
-            };
-            if need > local.capacity() {
-                return Err(internal(format!(
-                    "remote operation of {need} bytes with a local buffer of {}",
-                    local.capacity()
-                )));
-            }
-            needs.push(need);
+            self.remote_need(*wr, local)?;
         }
-        // Without windows, a READ's sink is registered over exactly the
-        // bytes it lands in (see `ScopedKeys::sinks`), kept with the
-        // operation until its completion.
-        let mut sinks = Vec::new();
-        let mut lkeys = Vec::with_capacity(batch.len());
-        for ((wr, local), &need) in batch.iter().zip(&needs) {
-            let lkey = match wr {
-                RemoteWr::Read { .. } if self.qp.has_own_pd() => {
-                    // SAFETY: `local` is held by this operation's entry (or
-                    // by the ledger once its future is dropped) until the
-                    // completion of the batch's last WR, which comes after
-                    // this READ's, and `remote_completed` drops the sinks
-                    // before either lets it go.
-                    let mr = unsafe {
-                        self.register_scoped(
-                            local.addr(),
-                            need as u64,
-                            MrAccess::LocalWriteRemoteWrite,
-                        )
-                    }?;
-                    let lkey = mr.lkey();
-                    sinks.push(mr);
-                    lkey
-                }
-                _ => local.lkey(),
-            };
-            lkeys.push(lkey);
-        }
+        let reads_complete_late = self.qp.device().reads_complete_late;
+        let last = batch.len() - 1;
         let mut wrs = Vec::with_capacity(batch.len());
         let mut records = Vec::with_capacity(batch.len());
-        let last = batch.len() - 1;
-        for (i, ((wr, local), (&need, &lkey))) in
-            batch.iter().zip(needs.iter().zip(&lkeys)).enumerate()
-        {
-            let sge = Sge {
-                addr: local.addr(),
-                len: need as u32,
-                lkey,
-            };
-            let (op, posted) = match *wr {
-                RemoteWr::Read { addr, rkey, .. } => (
-                    SendOp::Read {
-                        local: sge,
-                        remote_addr: addr,
-                        rkey,
-                    },
-                    PostedOp::Read,
-                ),
-                RemoteWr::Write { addr, rkey, .. } => (
-                    SendOp::Write {
-                        payload: SendPayload::Sge(sge),
-                        remote_addr: addr,
-                        rkey,
-                    },
-                    PostedOp::Write,
-                ),
-                RemoteWr::CompareSwap {
-                    addr,
-                    rkey,
-                    compare,
-                    swap,
-                } => (
-                    SendOp::CompareSwap {
-                        local: sge,
-                        remote_addr: addr,
-                        rkey,
-                        compare,
-                        swap,
-                    },
-                    PostedOp::Atomic,
-                ),
-                RemoteWr::FetchAdd { addr, rkey, add } => (
-                    SendOp::FetchAdd {
-                        local: sge,
-                        remote_addr: addr,
-                        rkey,
-                        add,
-                    },
-                    PostedOp::Atomic,
-                ),
-            };
+        let mut locals = Vec::with_capacity(batch.len());
+        let mut sinks = Vec::new();
+        for (i, (wr, local)) in batch.into_iter().enumerate() {
+            let need = self.remote_need(wr, &local)?;
+            // SAFETY: `local` goes into this operation's entry with the
+            // sink (below).
+            let (sge, sink) = unsafe { self.remote_sge(wr, &local, need) }?;
+            sinks.extend(sink);
+            let (op, posted) = remote_send_op(wr, sge);
             let wr_id = self.remote_wr_id();
             wrs.push(SendWr {
                 wr_id,
@@ -1247,31 +1296,28 @@ impl MessageQp {
                 solicited: false,
                 op,
             });
+            debug_assert!(records.last().is_none_or(|&(prev, _)| prev + 1 == wr_id));
             records.push((wr_id, posted));
+            locals.push(local);
         }
         // SAFETY: each SGE names its WR's `local`, a pool buffer registered
         // with local write on this QP's PD (or, for a READ without
-        // windows, under its sink registered just above), inside its
-        // capacity (checked above). Each is held by this operation's entry
-        // in `self.remote` while its future waits, and pinned in the
-        // ledger under its own WR (recorded right below, for every WR
-        // even when the post fails part way), so that a future dropped
-        // before the completion hands it to the ledger, which frees it
-        // only at that WR's completion or flush (or a later WR's), or
-        // after the QP is destroyed (field order). The program does not
-        // touch them meanwhile: the future gets them back only after the
-        // last WR's completion.
+        // windows, under its sink registered above), inside its capacity
+        // (checked above). Each is held by this operation's entry in
+        // `self.remote` while its future waits, and pinned in the ledger
+        // under its own WR (recorded right below, for every WR even when
+        // the post fails part way), so that a future dropped before the
+        // completion hands it to the ledger, which frees it only at that
+        // WR's completion or flush (or a later WR's), or after the QP is
+        // destroyed (field order). The program does not touch them
+        // meanwhile: the future gets them back only after the last WR's
+        // completion.
         let posted = unsafe { self.qp.post_send_batch(&wrs) };
         drop(wrs);
         for &(wr_id, op) in &records {
             self.ledger.record(wr_id, op, Some(wr_id));
         }
         let wr_id = records[last].0;
-        let locals = records
-            .iter()
-            .map(|&(key, _)| key)
-            .zip(batch.into_iter().map(|(_, local)| local))
-            .collect();
         let entry = RemoteEntry {
             locals,
             sinks,
@@ -1306,8 +1352,7 @@ impl MessageQp {
         }
         let op = self.remote.remove(&wr_id).expect("checked above");
         self.remote_slot_freed();
-        let locals = op.locals.into_iter().map(|(_, b)| b).collect();
-        Poll::Ready(op.status.map(|s| (s, locals)))
+        Poll::Ready(op.status.map(|s| (s, op.locals)))
     }
 
     /// The future waiting for remote WR `wr_id` was dropped (or gave up on
@@ -1324,7 +1369,9 @@ impl MessageQp {
         }
         op.abandoned = true;
         op.waker = None;
-        for (key, buf) in std::mem::take(&mut op.locals) {
+        let locals = std::mem::take(&mut op.locals);
+        let first = wr_id - (locals.len() as u64).saturating_sub(1);
+        for (key, buf) in (first..).zip(locals) {
             drop(self.ledger.release(key, Held::Dest(buf)));
         }
     }
