@@ -326,7 +326,10 @@ pub enum Transfer<'a> {
 /// in order with the writer's messages. The bytes are in place when it
 /// arrives (RC ordering: IBTA vol. 1, 9.5; RFC 5040, 5.5 on iWARP); where
 /// they went is for the two applications to agree on (the value can name
-/// a slot, for example).
+/// a slot, for example). On InfiniBand and RoCE `len` is what the NIC
+/// wrote; on iWARP the peer states it in the SEND that follows its WRITE.
+/// A peer is not trusted: treat `value`, and on iWARP `len`, as its claim,
+/// like a message's content.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Notification {
     /// The writer's value, `0..2^29`.
