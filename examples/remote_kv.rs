@@ -1,18 +1,22 @@
 //! A key-value store whose clients read values with one-sided RDMA READs
 //! and bump per-key counters with fetch-and-add, while the server's CPU
-//! stays idle: the server grants two windows (the value table, read-only;
-//! the counters, atomics only) and then only waits for the client's
-//! closing message. Its CPU time while serving is printed.
+//! stays idle, and put new values with `write_notify`: the server grants
+//! two windows (the value table, read and write; the counters, atomics
+//! only); gets never wake it, and each put's notification arrives once
+//! the new value is in place. Its CPU time while serving gets and while
+//! taking puts is printed.
 //!
 //! ```text
 //! remote_kv server --addr 10.11.0.1:7490 [--keys 4096] [--value-len 256]
-//! remote_kv client --addr 10.11.0.1:7490 [--gets 20000]
+//! remote_kv client --addr 10.11.0.1:7490 [--gets 20000] [--puts 1000]
 //! remote_kv demo   --addr 10.11.0.1:7490   # both, the server in a child process
 //! ```
 //!
 //! The client checks every value byte for byte (key `k`'s value is the
-//! pattern of seed `k`), and the server checks that the counters sum to
-//! the number of gets the client reports. Exit status 0 only if both hold.
+//! pattern of seed `k`, and after its put that of seed `PUT_SEED + k`);
+//! the server checks that the counters sum to the number of gets the
+//! client reports, and that every put's notification names a key whose
+//! slot holds the put value. Exit status 0 only if all hold.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -22,7 +26,7 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use hdrhistogram::Histogram;
 use tokio_rdma::remote::{GrantAccess, LocalRegion, REMOTE_REGION_LEN, RemoteRegion};
-use tokio_rdma::{MessageEndpoint, MessageListener};
+use tokio_rdma::{Incoming, MessageEndpoint, MessageListener};
 
 #[path = "shared/cpu.rs"]
 mod cpu;
@@ -59,6 +63,9 @@ enum Cmd {
         /// Gets (one READ and one fetch-and-add each).
         #[arg(long, default_value_t = 20_000)]
         gets: u64,
+        /// Puts (one `write_notify` each), after the gets.
+        #[arg(long, default_value_t = 1000)]
+        puts: u64,
     },
     /// Runs the server in a child process and a client against it.
     Demo {
@@ -68,7 +75,18 @@ enum Cmd {
         /// Gets of the client.
         #[arg(long, default_value_t = 20_000)]
         gets: u64,
+        /// Puts of the client.
+        #[arg(long, default_value_t = 1000)]
+        puts: u64,
     },
+}
+
+/// A put of key `k` writes the pattern of seed `PUT_SEED + k`.
+const PUT_SEED: u64 = 1 << 32;
+
+/// The key of put `i` (spread over the keys).
+fn put_key(i: u64, keys: u64) -> u64 {
+    i.wrapping_mul(31) % keys
 }
 
 /// What the server sends first: the value table's grant, the counters'
@@ -103,7 +121,11 @@ async fn server(addr: SocketAddr, keys: usize, value_len: usize) -> Result<(), S
         .write_at(0, &vec![0u8; keys * 8])
         .map_err(|e| e.to_string())?;
     let vg = ep
-        .grant(&values, 0..keys * value_len, GrantAccess::READ)
+        .grant(
+            &values,
+            0..keys * value_len,
+            GrantAccess::READ | GrantAccess::WRITE,
+        )
         .await
         .map_err(|e| format!("grant values: {e}"))?;
     let cg = ep
@@ -118,24 +140,54 @@ async fn server(addr: SocketAddr, keys: usize, value_len: usize) -> Result<(), S
     let cpu0 = cpu::cpu_us();
     let t0 = Instant::now();
     ep.send_copy(&hello).await.map_err(|e| e.to_string())?;
-    // Nothing to do until the client says how many gets it made.
-    let done = ep
-        .recv()
-        .await
-        .map_err(|e| format!("recv: {e}"))?
-        .ok_or("the client closed without its count")?;
+    // Nothing to do during the gets; each put wakes the server with its
+    // notification, once the new value is in place; the client's count
+    // ends it.
+    let mut gets_cpu = None;
+    let mut puts = 0u64;
+    let done = loop {
+        match ep.recv_incoming().await.map_err(|e| format!("recv: {e}"))? {
+            Some(Incoming::Notification(n)) => {
+                gets_cpu.get_or_insert_with(|| (cpu::cpu_us() - cpu0, t0.elapsed()));
+                let k = n.value as usize;
+                if k >= keys || n.len as usize != value_len {
+                    return Err(format!("a put of {} bytes to key {k}", n.len));
+                }
+                let mut slot = vec![0u8; value_len];
+                values
+                    .read_at(k * value_len, &mut slot)
+                    .map_err(|e| e.to_string())?;
+                if slot != pattern::pattern_vec(PUT_SEED + k as u64, value_len) {
+                    return Err(format!("key {k}: the put value is not in place"));
+                }
+                puts += 1;
+            }
+            Some(Incoming::Message(m)) => break m,
+            None => return Err("the client closed without its count".into()),
+        }
+    };
     let cpu = cpu::cpu_us() - cpu0;
     let wall = t0.elapsed();
+    let (gets_cpu, gets_wall) = gets_cpu.unwrap_or((cpu, wall));
+    if done.len() != 16 {
+        return Err(format!("a count of {} bytes", done.len()));
+    }
     let gets = u64::from_le_bytes(done[..8].try_into().map_err(|_| "short count")?);
+    let client_puts = u64::from_le_bytes(done[8..16].try_into().map_err(|_| "short count")?);
     let mut sum = 0u64;
     for k in 0..keys {
         sum += counters.load_u64(k * 8).map_err(|e| e.to_string())?;
     }
     println!(
         "server: {gets} gets from {peer} in {:.2} s; server CPU {:.3} s ({:.2} us per get, /proc/self/stat in 10 ms ticks)",
-        wall.as_secs_f64(),
-        cpu as f64 / 1e6,
-        cpu as f64 / gets.max(1) as f64
+        gets_wall.as_secs_f64(),
+        gets_cpu as f64 / 1e6,
+        gets_cpu as f64 / gets.max(1) as f64
+    );
+    println!(
+        "server: {puts} puts taken, each checked in place; server CPU {:.3} s for them ({:.2} us per put)",
+        (cpu - gets_cpu) as f64 / 1e6,
+        (cpu - gets_cpu) as f64 / puts.max(1) as f64
     );
     println!("server: counters sum to {sum}");
     vg.revoke().await.map_err(|e| format!("revoke: {e}"))?;
@@ -145,10 +197,15 @@ async fn server(addr: SocketAddr, keys: usize, value_len: usize) -> Result<(), S
             "counters sum to {sum}, the client made {gets} gets"
         ));
     }
+    if puts != client_puts {
+        return Err(format!(
+            "{puts} put notifications, the client made {client_puts} puts"
+        ));
+    }
     Ok(())
 }
 
-async fn client(addr: SocketAddr, gets: u64) -> Result<(), String> {
+async fn client(addr: SocketAddr, gets: u64, puts: u64) -> Result<(), String> {
     let ep = MessageEndpoint::connect(addr)
         .await
         .map_err(|e| format!("connect {addr}: {e}"))?;
@@ -193,15 +250,41 @@ async fn client(addr: SocketAddr, gets: u64) -> Result<(), String> {
         hist.value_at_quantile(0.99) as f64 / 1e3,
         cpu as f64 / gets.max(1) as f64
     );
-    ep.send_copy(&gets.to_le_bytes())
-        .await
-        .map_err(|e| e.to_string())?;
+    // Puts: the new value lands in the server's table and the server is
+    // told, in order with this client's messages.
+    let t0 = Instant::now();
+    for i in 0..puts {
+        let k = put_key(i, keys);
+        let v = pattern::pattern_vec(PUT_SEED + k, value_len as usize);
+        ep.write_notify(&values, k * value_len, &v, k as u32)
+            .await
+            .map_err(|e| format!("put {k}: {e}"))?;
+    }
+    ep.flush().await.map_err(|e| e.to_string())?;
+    let put_wall = t0.elapsed();
+    for i in 0..puts.min(keys) {
+        let k = put_key(i, keys);
+        let v = ep
+            .read(&values, k * value_len, value_len as usize)
+            .await
+            .map_err(|e| format!("get {k} after its put: {e}"))?;
+        if v[..] != pattern::pattern_vec(PUT_SEED + k, value_len as usize)[..] {
+            return Err(format!("key {k}: the put value did not land"));
+        }
+    }
+    println!(
+        "client: {puts} puts (write_notify of {value_len} B) in {:.2} s, read back equal",
+        put_wall.as_secs_f64()
+    );
+    let mut count = gets.to_le_bytes().to_vec();
+    count.extend_from_slice(&puts.to_le_bytes());
+    ep.send_copy(&count).await.map_err(|e| e.to_string())?;
     ep.flush().await.map_err(|e| e.to_string())?;
     ep.close().await.map_err(|e| e.to_string())?;
     Ok(())
 }
 
-async fn demo(addr: SocketAddr, gets: u64) -> Result<(), String> {
+async fn demo(addr: SocketAddr, gets: u64, puts: u64) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut child = Command::new(exe)
         .args(["server", "--addr", &addr.to_string()])
@@ -219,7 +302,7 @@ async fn demo(addr: SocketAddr, gets: u64) -> Result<(), String> {
         }
         other => return Err(format!("server did not come up: {other:?}")),
     };
-    let rc = client(bound, gets).await;
+    let rc = client(bound, gets, puts).await;
     for l in lines.map_while(Result::ok) {
         println!("{l}");
     }
@@ -239,8 +322,8 @@ async fn main() -> ExitCode {
             keys,
             value_len,
         } => server(addr, keys, value_len).await,
-        Cmd::Client { addr, gets } => client(addr, gets).await,
-        Cmd::Demo { addr, gets } => demo(addr, gets).await,
+        Cmd::Client { addr, gets, puts } => client(addr, gets, puts).await,
+        Cmd::Demo { addr, gets, puts } => demo(addr, gets, puts).await,
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
