@@ -154,9 +154,12 @@ async fn measure(
     bytes: u64,
 ) -> Result<Figures, String> {
     let e = |e: std::io::Error| e.to_string();
-    // Warm-up.
+    // Warm-up, of both operations timed below (the first call of a code
+    // path may fault its pages in; under icount from the host's file
+    // system when the binary is not staged).
     for _ in 0..100 {
         ep.read(remote, 0, 8).await.map_err(e)?;
+        ep.fetch_add(remote, 0, 1).await.map_err(e)?;
     }
     let mut h = Histogram::<u64>::new(3).expect("histogram");
     let cpu0 = cpu::cpu_us();
