@@ -30,6 +30,7 @@ use crate::proto::message::{
     abort_code_reason,
 };
 use crate::remote::{GrantAccess, LocalRegion, Notification};
+use crate::verbs::ledger::PostedOp;
 use crate::verbs::rc::{Completion, RcQueuePair, WcStatus, Work};
 
 use super::qp::RemoteWr;
@@ -257,10 +258,12 @@ impl MsgState {
             return;
         }
         if !wc.ok() {
-            let op = if is_recv {
-                "receive"
-            } else {
-                self.qp.core_op_name(wc.wr_id())
+            let posted = (!is_recv).then(|| self.qp.core_op(wc.wr_id())).flatten();
+            let op = match posted {
+                _ if is_recv => "receive",
+                Some(PostedOp::Read) => "RDMA READ",
+                Some(PostedOp::Write) => "RDMA WRITE WITH IMMEDIATE",
+                _ => "SEND",
             };
             match wc.work {
                 Work::Recv(token) => drop(self.qp.take_recv(token, 0)),
@@ -288,7 +291,7 @@ impl MsgState {
             }
             // A NOTIFY's WRITE the peer's NIC refused (a revoked grant,
             // another connection's): as for `write`, a remote access error.
-            if op == "RDMA WRITE WITH IMMEDIATE" && matches!(wc.status, WcStatus::Failed(9..=11)) {
+            if posted == Some(PostedOp::Write) && matches!(wc.status, WcStatus::Failed(9..=11)) {
                 self.lost(Error::RemoteAccess {
                     op,
                     status: wc.status.code(),
@@ -908,20 +911,17 @@ impl MsgConn {
         if let Some(d) = st.core.poll_recv() {
             let msg = match d {
                 Delivery::Notify { value, len } => {
-                    st.takes_since_send = st.takes_since_send.saturating_add(1);
-                    st.settle();
-                    self.ensure_tick(&st);
-                    return Poll::Ready(Ok(Some(Incoming::Notification(Notification {
-                        value,
-                        len,
-                    }))));
+                    Some(Incoming::Notification(Notification { value, len }))
                 }
-                Delivery::Eager { recv_buf_token, .. } => st.kept.remove(&recv_buf_token),
+                Delivery::Eager { recv_buf_token, .. } => st
+                    .kept
+                    .remove(&recv_buf_token)
+                    .map(|b| Incoming::Message(b.freeze())),
                 Delivery::Rendezvous { dest_token, len } => {
                     st.quota_release(dest_token);
                     st.qp.take_dest(dest_token).map(|mut b| {
                         b.set_len(len as usize);
-                        b
+                        Incoming::Message(b.freeze())
                     })
                 }
             };
@@ -930,7 +930,7 @@ impl MsgConn {
             st.settle();
             self.ensure_tick(&st);
             return Poll::Ready(match msg {
-                Some(buf) => Ok(Some(Incoming::Message(buf.freeze()))),
+                Some(item) => Ok(Some(item)),
                 None => {
                     Err(Error::Internal(format!("message buffer {:?} missing", d.token())).into())
                 }

@@ -131,6 +131,23 @@ use qp::{MessageQp, REMOTE_SLOTS, RemoteWr};
 // A batch takes every remote slot at most.
 const _: () = assert!(MAX_TRANSFER_BATCH == REMOTE_SLOTS as usize);
 
+/// The length of a one-sided WR moving `len` bytes: at most
+/// [`MAX_NOTIFY_LEN`] (2 GiB, the largest RC message; IBTA `max_msg_sz`).
+///
+/// # Errors
+/// `InvalidInput` naming `op` above it.
+fn wr_len(op: &str, len: usize) -> io::Result<u32> {
+    u32::try_from(len)
+        .ok()
+        .filter(|&l| u64::from(l) <= MAX_NOTIFY_LEN)
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{op} of more than 2 GiB"),
+            )
+        })
+}
+
 /// What [`MessageEndpoint::recv_incoming`] hands out, in the peer's send
 /// order.
 #[derive(Debug, Clone)]
@@ -878,12 +895,7 @@ impl MessageEndpoint {
         len: usize,
     ) -> io::Result<PoolBytes> {
         let addr = remote.check("RDMA READ", offset, len as u64, GrantAccess::READ)?;
-        let len32 = u32::try_from(len)
-            .ok()
-            .filter(|&l| l <= 1 << 31)
-            .ok_or_else(|| {
-                io::Error::new(io::ErrorKind::InvalidInput, "RDMA READ of more than 2 GiB")
-            })?;
+        let len32 = wr_len("RDMA READ", len)?;
         let buf = self.pool.alloc_any(len.max(1)).await?;
         let wr = RemoteWr::Read {
             addr,
@@ -909,15 +921,8 @@ impl MessageEndpoint {
     /// As [`read`](Self::read), for WRITE access.
     pub async fn write(&self, remote: &RemoteRegion, offset: u64, data: &[u8]) -> io::Result<()> {
         let addr = remote.check("RDMA WRITE", offset, data.len() as u64, GrantAccess::WRITE)?;
-        let len = u32::try_from(data.len())
-            .ok()
-            .filter(|&l| l <= 1 << 31)
-            .ok_or_else(|| {
-                io::Error::new(io::ErrorKind::InvalidInput, "RDMA WRITE of more than 2 GiB")
-            })?;
-        let mut buf = self.pool.alloc_any(data.len().max(1)).await?;
-        buf.spare_mut()[..data.len()].copy_from_slice(data);
-        buf.set_len(data.len());
+        let len = wr_len("RDMA WRITE", data.len())?;
+        let buf = self.copied(data).await?;
         let wr = RemoteWr::Write {
             addr,
             rkey: remote.rkey(),
@@ -962,17 +967,10 @@ impl MessageEndpoint {
                 format!("notification value {value} is wider than 29 bits"),
             ));
         }
-        let len = data.len() as u64;
-        let addr = remote.check("RDMA WRITE WITH IMMEDIATE", offset, len, GrantAccess::WRITE)?;
-        if len > MAX_NOTIFY_LEN {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "RDMA WRITE WITH IMMEDIATE of more than 2 GiB",
-            ));
-        }
-        let mut buf = self.pool.alloc_any(data.len().max(1)).await?;
-        buf.spare_mut()[..data.len()].copy_from_slice(data);
-        buf.set_len(data.len());
+        let op = "RDMA WRITE WITH IMMEDIATE";
+        let addr = remote.check(op, offset, data.len() as u64, GrantAccess::WRITE)?;
+        wr_len(op, data.len())?;
+        let buf = self.copied(data).await?;
         std::future::poll_fn(|cx| self.conn.poll_send_ready(cx)).await?;
         let target = NotifyWrite {
             remote_addr: addr,
@@ -1026,15 +1024,7 @@ impl MessageEndpoint {
                 } => ("RDMA WRITE", remote, offset, data.len(), GrantAccess::WRITE),
             };
             let addr = remote.check(name, offset, len as u64, want)?;
-            let len32 = u32::try_from(len)
-                .ok()
-                .filter(|&l| l <= 1 << 31)
-                .ok_or_else(|| {
-                    io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        format!("{name} of more than 2 GiB"),
-                    )
-                })?;
+            let len32 = wr_len(name, len)?;
             let rkey = remote.rkey();
             wrs.push(match op {
                 Transfer::Read { .. } => RemoteWr::Read {
@@ -1053,12 +1043,7 @@ impl MessageEndpoint {
         for (op, wr) in ops.iter().zip(wrs) {
             let buf = match *op {
                 Transfer::Read { len, .. } => self.pool.alloc_any(len.max(1)).await?,
-                Transfer::Write { data, .. } => {
-                    let mut buf = self.pool.alloc_any(data.len().max(1)).await?;
-                    buf.spare_mut()[..data.len()].copy_from_slice(data);
-                    buf.set_len(data.len());
-                    buf
-                }
+                Transfer::Write { data, .. } => self.copied(data).await?,
             };
             batch.push((wr, buf));
         }
@@ -1125,6 +1110,15 @@ impl MessageEndpoint {
             add,
         };
         self.atomic(wr, "ATOMIC fetch-and-add").await
+    }
+
+    /// A pool buffer holding a copy of `data` (at least one byte of
+    /// capacity: a WR's local buffer), the source of a one-sided WRITE.
+    async fn copied(&self, data: &[u8]) -> io::Result<PoolBuf> {
+        let mut buf = self.pool.alloc_any(data.len().max(1)).await?;
+        buf.spare_mut()[..data.len()].copy_from_slice(data);
+        buf.set_len(data.len());
+        Ok(buf)
     }
 
     async fn atomic(&self, wr: RemoteWr, op: &'static str) -> io::Result<u64> {

@@ -567,15 +567,11 @@ impl MessageQp {
     }
 
     /// What the protocol core's send-queue WR `wr_id` (posted, not yet
-    /// known complete) is, for errors: an RDMA READ, a NOTIFY's RDMA
-    /// WRITE WITH IMMEDIATE (on iWARP: its WRITE, which comes first), or
-    /// a SEND.
-    pub(crate) fn core_op_name(&self, wr_id: u64) -> &'static str {
-        match self.ledger.op(wr_id) {
-            Some(PostedOp::Read) => "RDMA READ",
-            Some(PostedOp::Write) => "RDMA WRITE WITH IMMEDIATE",
-            _ => "SEND",
-        }
+    /// known complete) is, for its errors: an RDMA READ, a NOTIFY's RDMA
+    /// WRITE WITH IMMEDIATE (on iWARP its WRITE, which comes first), or a
+    /// SEND; `None` once it is not in the ledger.
+    pub(crate) fn core_op(&self, wr_id: u64) -> Option<PostedOp> {
+        self.ledger.op(wr_id)
     }
 
     /// Whether completion `wc` must wait: on a device whose READ
@@ -781,7 +777,7 @@ impl MessageQp {
                     rkey,
                     imm,
                     inline,
-                } => {
+                } => 'arm: {
                     let (payload, pin) = message_payload(&self.sending, token, len, inline)?;
                     if let SendPayload::Sge(sge) = payload {
                         last_sge = Some(sge);
@@ -793,15 +789,7 @@ impl MessageQp {
                             rkey,
                             imm,
                         };
-                        let wr_id = Work::Core(t.wr_id).wr_id();
-                        wrs.push(SendWr {
-                            wr_id,
-                            signaled: t.signaled,
-                            solicited: t.solicited,
-                            op,
-                        });
-                        records.push((wr_id, PostedOp::Write, pin));
-                        continue;
+                        break 'arm ((op, PostedOp::Write), pin);
                     };
                     // No immediate data (iWARP): the WRITE, then a SEND of
                     // the length and the trailer, which the peer's RDMAP
