@@ -65,6 +65,7 @@ use std::pin::Pin;
 use std::sync::{Arc, RwLock, Weak};
 
 use crate::pool::PoolBuf;
+use crate::pool::region::UserMemory;
 
 /// What a grant lets the peer do with its bytes: any set of RDMA READ,
 /// RDMA WRITE and atomics (compare-and-swap, fetch-and-add). Combine with
@@ -145,15 +146,20 @@ impl BitOr for GrantAccess {
 }
 
 /// Memory a peer may reach through grants: one pool buffer's whole
-/// capacity, shared with the NIC. Cheap to clone (an `Arc`); the memory
-/// stays allocated while any clone, any grant on it or any operation into
-/// it lives.
+/// capacity ([`LocalRegion::new`]), or memory of the caller's registered
+/// for it ([`MemoryPool::register_local`](crate::pool::MemoryPool::register_local):
+/// a `Vec<u8>`, `Box<[u8]>`, `BytesMut`, a file or huge-page mapping),
+/// shared with the NIC from then on. Cheap to clone (an `Arc`); the memory
+/// stays allocated and registered while any clone, any grant on it or any
+/// revocation in progress lives.
 ///
 /// A peer with a write or atomic grant may change its bytes at any time,
 /// so the region hands out no `&[u8]`: [`read_at`](Self::read_at) and
 /// [`write_at`](Self::write_at) copy (serialised among this process's
 /// threads; the peer's NIC is not), and [`load_u64`](Self::load_u64)
 /// reads a word the peer updates with atomics.
+/// [`try_into_memory`](Self::try_into_memory) gives registered memory
+/// back once nothing else holds the region.
 #[derive(Clone)]
 pub struct LocalRegion {
     inner: Arc<RegionInner>,
@@ -161,9 +167,14 @@ pub struct LocalRegion {
 
 struct RegionInner {
     /// The memory; its bytes are reached only through `ptr` from here on.
-    buf: PoolBuf,
+    memory: Memory,
     /// Serialises this process's copies in and out.
     copies: RwLock<()>,
+}
+
+enum Memory {
+    Pool(PoolBuf),
+    User(UserMemory),
 }
 
 impl fmt::Debug for LocalRegion {
@@ -186,35 +197,81 @@ impl LocalRegion {
     /// Makes `buf`'s whole capacity (bytes) a region; its contents are
     /// kept.
     pub fn new(buf: PoolBuf) -> LocalRegion {
+        Self::with(Memory::Pool(buf))
+    }
+
+    pub(crate) fn from_user(memory: UserMemory) -> LocalRegion {
+        Self::with(Memory::User(memory))
+    }
+
+    fn with(memory: Memory) -> LocalRegion {
         LocalRegion {
             inner: Arc::new(RegionInner {
-                buf,
+                memory,
                 copies: RwLock::new(()),
             }),
         }
     }
 
-    /// Length in bytes (the buffer's capacity).
+    /// Length in bytes: a pool buffer's capacity, or all of the
+    /// registered memory.
     pub fn len(&self) -> usize {
-        self.inner.buf.capacity()
+        match &self.inner.memory {
+            Memory::Pool(buf) => buf.capacity(),
+            Memory::User(m) => m.len(),
+        }
     }
 
-    /// Whether the region has no bytes (never, for a pool buffer).
+    /// Whether the region has no bytes (never: empty memory is not
+    /// registered).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// The virtual address of its first byte.
     pub fn addr(&self) -> u64 {
-        self.inner.buf.addr()
+        self.ptr() as u64
+    }
+
+    /// Gives back the memory registered by
+    /// [`MemoryPool::register_local`](crate::pool::MemoryPool::register_local),
+    /// deregistered, with whatever peers wrote into it.
+    ///
+    /// # Errors
+    /// `self`, unchanged, while another clone, a grant (one dropped and
+    /// being revoked in the background included) or an operation holds
+    /// the region, when it is a pool buffer's, or when its memory is not
+    /// an `M`.
+    pub fn try_into_memory<M: std::any::Any>(self) -> Result<M, LocalRegion> {
+        let inner = Arc::try_unwrap(self.inner).map_err(|inner| LocalRegion { inner })?;
+        match inner.memory {
+            Memory::User(m) => m.into_memory::<M>().map_err(LocalRegion::from_user),
+            memory => Err(Self::with(memory)),
+        }
+    }
+
+    /// Whether `pool`'s endpoints may grant this region: a buffer of
+    /// `pool`, or memory registered with `pool` or another pool on the
+    /// same device's shared protection domain.
+    pub(crate) fn usable_with(&self, pool: &crate::pool::MemoryPool) -> bool {
+        match &self.inner.memory {
+            Memory::Pool(buf) => pool.owns(self.ptr(), buf.capacity()),
+            Memory::User(m) => m.usable_with(pool),
+        }
     }
 
     pub(crate) fn raw_mr(&self) -> usize {
-        self.inner.buf.raw_mr()
+        match &self.inner.memory {
+            Memory::Pool(buf) => buf.raw_mr(),
+            Memory::User(m) => m.raw_mr(),
+        }
     }
 
     pub(crate) fn ptr(&self) -> *const u8 {
-        self.inner.buf.addr() as *const u8
+        match &self.inner.memory {
+            Memory::Pool(buf) => buf.addr() as *const u8,
+            Memory::User(m) => m.ptr(),
+        }
     }
 
     /// Copies `dst.len()` bytes at `offset` out of the region.
@@ -227,8 +284,8 @@ impl LocalRegion {
             return Err(out_of_range("read_at", offset, dst.len(), len));
         }
         let _g = self.inner.copies.read().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: the range lies inside the buffer (checked above), which
-        // lives as long as `self`; `dst` is a distinct allocation of the
+        // SAFETY: the range lies inside the region (checked above), whose
+        // memory lives as long as `self`; `dst` is a distinct allocation of the
         // caller's. Writers of this process hold the write lock; the NIC's
         // writes (a peer's grant) are outside the program, as with memory
         // shared with a device.
@@ -248,9 +305,9 @@ impl LocalRegion {
             return Err(out_of_range("write_at", offset, src.len(), len));
         }
         let _g = self.inner.copies.write().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: the range lies inside the buffer (checked above), which
-        // lives as long as `self` and is registered for the NIC only (no
-        // Rust reference to its bytes exists); the write lock excludes
+        // SAFETY: the range lies inside the region (checked above), whose
+        // memory lives as long as `self` and is registered for the NIC only
+        // (no Rust reference to its bytes exists); the write lock excludes
         // this process's other copies; `src` is the caller's.
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -262,27 +319,30 @@ impl LocalRegion {
         Ok(())
     }
 
-    /// Reads the 8-byte word at `offset` (8-byte aligned) atomically, in
-    /// host byte order: the value a peer's compare-and-swap or
-    /// fetch-and-add left there.
+    /// Reads the 8-byte word at `offset` atomically, in host byte order:
+    /// the value a peer's compare-and-swap or fetch-and-add left there.
     ///
     /// # Errors
-    /// `InvalidInput` when the word passes the region's end or `offset`
-    /// is not a multiple of 8.
+    /// `InvalidInput` when the word passes the region's end or its address
+    /// ([`addr`](Self::addr) + `offset`) is not a multiple of 8 (pool
+    /// buffers are page-aligned; registered memory is as aligned as its
+    /// allocation).
     pub fn load_u64(&self, offset: usize) -> io::Result<u64> {
         let len = self.len();
-        if offset % 8 != 0 || offset.checked_add(8).is_none_or(|e| e > len) {
+        let aligned = (self.addr() as usize).wrapping_add(offset) % 8 == 0;
+        if !aligned || offset.checked_add(8).is_none_or(|e| e > len) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
-                    "load_u64 at offset {offset} of a {len}-byte region (8-byte aligned words only)"
+                    "load_u64 at offset {offset} of a {len}-byte region at {:#x} (8-byte aligned words only)",
+                    self.addr()
                 ),
             ));
         }
-        // SAFETY: the word lies inside the buffer (checked above), which
-        // lives as long as `self`, and is 8-byte aligned (pool buffers are
-        // page-aligned, `offset` a multiple of 8). It is only ever accessed
-        // atomically or by the NIC's atomics.
+        // SAFETY: the word lies inside the region (checked above), which
+        // lives as long as `self`, and its address is 8-byte aligned
+        // (checked above). It is only ever accessed atomically or by the
+        // NIC's atomics.
         let word = unsafe { &*(self.ptr().add(offset) as *const std::sync::atomic::AtomicU64) };
         Ok(word.load(std::sync::atomic::Ordering::Acquire))
     }

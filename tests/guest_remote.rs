@@ -716,3 +716,133 @@ async fn transfer_posts_a_batch_and_refuses_a_bad_one_whole() {
         .unwrap();
     assert_eq!(again[0][..], before[5..16]);
 }
+
+/// Memory of the caller's, registered as regions: a `Vec`, a file mapping
+/// and a huge-page mapping. The peer reads, writes and adds into them
+/// through grants; the owner gets each back (only once no grant holds
+/// it) with exactly the peer's bytes in it, and the file has them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registered_user_memory_is_granted_and_given_back_with_the_peers_writes() {
+    let (client, server) = pair().await;
+    let rw = GrantAccess::READ | GrantAccess::WRITE;
+
+    // A Vec: no copy, the region is its bytes.
+    let len = MIB + 13;
+    let v = shared::pattern_vec(21, len);
+    let addr = v.as_ptr() as u64;
+    let reg = server.pool().register_local(v).expect("register a Vec");
+    assert_eq!((reg.addr(), reg.len()), (addr, len));
+    let grant = server.grant(&reg, 5..len, rw).await.expect("grant");
+    let remote = grant.remote();
+    let got = client.read(&remote, 0, len - 5).await.expect("READ");
+    assert!(got[..] == shared::pattern_vec(21, len)[5..], "READ whole");
+    let data = shared::pattern_vec(22, 4099);
+    client.write(&remote, 777, &data).await.expect("WRITE");
+    let reg = reg
+        .try_into_memory::<Vec<u8>>()
+        .expect_err("a grant holds it");
+    grant.revoke().await.expect("revoke");
+    let back: Vec<u8> = reg.try_into_memory().expect("nothing holds it");
+    let mut want = shared::pattern_vec(21, len);
+    want[5 + 777..5 + 777 + 4099].copy_from_slice(&data);
+    assert_eq!(back.as_ptr() as u64, addr);
+    assert!(back == want, "the Vec holds exactly the peer's WRITE");
+
+    // A shared file mapping: the peer's WRITE reaches the file.
+    let path = std::env::temp_dir().join(format!("tokio-rdma-region-{}", std::process::id()));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .expect("create the file");
+    let flen = 64 * 1024 + 100;
+    file.set_len(flen as u64).expect("size the file");
+    // SAFETY: the file is this test's own, created above; nothing else
+    // maps or truncates it while the mapping lives.
+    let map = unsafe { memmap2::MmapMut::map_mut(&file) }.expect("map the file");
+    let reg = server
+        .pool()
+        .register_local(map)
+        .expect("register a mapping");
+    let grant = server.grant(&reg, 0..flen, rw).await.expect("grant");
+    let data = shared::pattern_vec(23, flen);
+    client
+        .write(&grant.remote(), 0, &data)
+        .await
+        .expect("WRITE");
+    let got = client.read(&grant.remote(), 99, 1000).await.expect("READ");
+    assert!(got[..] == data[99..1099]);
+    drop(grant); // revoked in the background
+    let mut reg = reg;
+    let map = loop {
+        match reg.try_into_memory::<memmap2::MmapMut>() {
+            Ok(map) => break map,
+            Err(r) => {
+                reg = r;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    };
+    assert_eq!(server.grants(), 0);
+    map.flush().expect("msync");
+    drop(map);
+    assert!(std::fs::read(&path).expect("read the file") == data);
+    std::fs::remove_file(&path).unwrap();
+
+    // Huge pages (2 MiB, reserved here): atomics land in them.
+    std::fs::write("/proc/sys/vm/nr_hugepages", "4").expect("reserve huge pages");
+    let huge = memmap2::MmapOptions::new()
+        .len(2 * MIB)
+        .huge(Some(21))
+        .map_anon()
+        .expect("a huge-page mapping");
+    let reg = server
+        .pool()
+        .register_local(huge)
+        .expect("register huge pages");
+    assert_eq!(reg.addr() % (2 * MIB) as u64, 0);
+    let access = if common::iwarp() {
+        rw
+    } else {
+        rw | GrantAccess::ATOMIC
+    };
+    let grant = server.grant(&reg, 0..2 * MIB, access).await.expect("grant");
+    let remote = grant.remote();
+    if common::iwarp() {
+        client
+            .write(&remote, 4096, &7u64.to_ne_bytes())
+            .await
+            .unwrap();
+    } else {
+        for i in 0..7u64 {
+            assert_eq!(client.fetch_add(&remote, 4096, 1).await.unwrap(), i);
+        }
+    }
+    assert_eq!(reg.load_u64(4096).unwrap(), 7);
+    let data = shared::pattern_vec(24, 3 * 4096);
+    client
+        .write(&remote, 2 * MIB as u64 - data.len() as u64, &data)
+        .await
+        .unwrap();
+    let mut back = vec![0u8; data.len()];
+    reg.read_at(2 * MIB - data.len(), &mut back).unwrap();
+    assert!(back == data);
+    grant.revoke().await.unwrap();
+
+    // Memory registered with another pool on the same device: on a device
+    // with memory windows the window binds on its MR; without (iWARP), a
+    // grant needs the endpoint's own pool (its connection's own PD).
+    let other = tokio_rdma::MemoryPool::for_device(server.device(), Default::default())
+        .expect("another pool");
+    let reg = other.register_local(vec![9u8; 8192]).unwrap();
+    let result = server.grant(&reg, 100..200, GrantAccess::READ).await;
+    if common::iwarp() {
+        assert_eq!(result.unwrap_err().kind(), io::ErrorKind::InvalidInput);
+    } else {
+        let grant = result.expect("grant on another pool of the device");
+        let got = client.read(&grant.remote(), 0, 100).await.unwrap();
+        assert_eq!(got[..], [9u8; 100]);
+    }
+}

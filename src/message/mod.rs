@@ -824,12 +824,16 @@ impl MessageEndpoint {
     /// Grants the peer `access` to exactly the bytes `range` of `region`
     /// (a memory window of type 2 bound on this connection's QP), once the
     /// NIC confirmed the bind. Hand [`Grant::remote`] to the peer. The
-    /// region must be a buffer of this endpoint's pool. See
-    /// [`crate::remote`] for what the peer can do with it.
+    /// region is a buffer of this endpoint's pool ([`LocalRegion::new`]),
+    /// or memory registered with this endpoint's pool or another pool on
+    /// the same device ([`MemoryPool::register_local`]). The grant keeps
+    /// the region until it is revoked. See [`crate::remote`] for what the
+    /// peer can do with it.
     ///
     /// # Errors
     /// `InvalidInput` for an empty range or access, a range past the
-    /// region's end, or a region not in this endpoint's pool;
+    /// region's end, or a region neither of this endpoint's pool nor
+    /// registered on its device;
     /// `OutOfMemory` ([`Error::ResourceLimit`]) at this connection's quota
     /// of 64 grants or the device's memory windows; `Unsupported`
     /// ([`Error::NoAtomics`]) for ATOMIC access on a device without RDMA
@@ -851,9 +855,10 @@ impl MessageEndpoint {
                 region.len()
             )));
         }
-        if !self.pool.owns(region.ptr(), region.len()) {
+        if !region.usable_with(&self.pool) {
             return Err(invalid(
-                "the region is not a buffer of this endpoint's pool".into(),
+                "the region is neither a buffer of this endpoint's pool nor memory registered on its device"
+                    .into(),
             ));
         }
         let (offset, len) = (range.start as u64, (range.end - range.start) as u64);

@@ -37,7 +37,7 @@
 
 mod buf;
 
-mod region;
+pub(crate) mod region;
 mod registrar;
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,7 @@
 //! [`RegisteredRegion`]: memory the caller already has, registered for
 //! zero-copy sends.
 
+use std::any::Any;
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
@@ -225,5 +226,169 @@ impl MemoryPool {
         }
         drop(guard);
         Ok(RegisteredRegion { inner })
+    }
+}
+
+/// Memory of the caller's registered writable for remote access through
+/// grants: the backing of a [`LocalRegion`](crate::remote::LocalRegion)
+/// made by [`MemoryPool::register_local`]. It owns the memory (boxed, so
+/// its bytes never move) and deregisters the MR before freeing it.
+pub(crate) struct UserMemory {
+    // Deregistered in Drop (or `into_memory`), before `owner` is dropped.
+    reg: ManuallyDrop<Box<dyn Registration>>,
+    ptr: NonNull<u8>,
+    len: usize,
+    /// The caller's value (`Box::into_raw` of a `Box<M>`), reached only
+    /// through `ptr` while registered; rebuilt into a `Box` once, at drop
+    /// or in `into_memory`.
+    owner: NonNull<dyn Any + Send + Sync>,
+    pool: Weak<PoolInner>,
+}
+
+// SAFETY: `owner` is a `Box<M>` with `M: Send + Sync` that only this value
+// reaches (as a box, at drop), and its bytes are reached through `ptr` by
+// `LocalRegion`'s copies, which serialise among themselves; the
+// registration is Send + Sync.
+unsafe impl Send for UserMemory {}
+// SAFETY: as above; `&UserMemory` gives out only the address and keys.
+unsafe impl Sync for UserMemory {}
+
+impl UserMemory {
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn raw_mr(&self) -> usize {
+        self.reg.raw_mr()
+    }
+
+    /// Whether `pool` may bind windows on this memory: the pool it was
+    /// registered with, or a pool on the same device's shared PD.
+    pub(crate) fn usable_with(&self, pool: &MemoryPool) -> bool {
+        match self.pool.upgrade() {
+            Some(mine) => {
+                Arc::ptr_eq(&mine, &pool.inner)
+                    || mine.device.as_ref().is_some_and(|d| pool.is_on_device(d))
+            }
+            None => false,
+        }
+    }
+
+    /// Deregisters the memory and hands the caller's value back, or gives
+    /// `self` back unchanged when it is not an `M`.
+    pub(crate) fn into_memory<M: Any>(self) -> Result<M, UserMemory> {
+        // SAFETY: `owner` is live (rebuilt only at drop, which has not
+        // happened); `is` reads its type id only.
+        if !unsafe { self.owner.as_ref() }.is::<M>() {
+            return Err(self);
+        }
+        let mut me = ManuallyDrop::new(self);
+        me.uncount();
+        // SAFETY: dropped exactly once, here (`me` is never dropped), and
+        // before the memory is handed back: the NIC can no longer reach it.
+        unsafe { ManuallyDrop::drop(&mut me.reg) };
+        // SAFETY: `owner` came from `Box::into_raw` and is rebuilt exactly
+        // once, here; `me` is never dropped, so never twice. `me.pool`
+        // (a `Weak`) is leaked with `me`: dropped explicitly next.
+        let owner = unsafe { Box::from_raw(me.owner.as_ptr()) };
+        // SAFETY: `me.pool` is read out once and `me` is never used again.
+        drop(unsafe { std::ptr::read(&me.pool) });
+        match owner.downcast::<M>() {
+            Ok(m) => Ok(*m),
+            Err(_) => unreachable!("the type was checked above"),
+        }
+    }
+
+    fn uncount(&self) {
+        if let Some(pool) = self.pool.upgrade() {
+            pool.regions.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for UserMemory {
+    fn drop(&mut self) {
+        self.uncount();
+        // SAFETY: dropped exactly once, here, before the memory is freed
+        // below.
+        unsafe { ManuallyDrop::drop(&mut self.reg) };
+        // SAFETY: `owner` came from `Box::into_raw` and is rebuilt exactly
+        // once, here (`into_memory` never lets `Drop` run).
+        drop(unsafe { Box::from_raw(self.owner.as_ptr()) });
+    }
+}
+
+impl MemoryPool {
+    /// Registers memory of the caller's (a `Vec<u8>`, `Box<[u8]>`,
+    /// `BytesMut`, or a file or huge-page mapping such as `memmap2`'s
+    /// `MmapMut`: anything that derefs mutably to bytes) on the pool's
+    /// protection domain, writable by the local NIC and with no remote
+    /// access of its own, and makes all of `memory.as_mut()` a
+    /// [`LocalRegion`](crate::remote::LocalRegion) that
+    /// [`MessageEndpoint::grant`](crate::MessageEndpoint::grant) can open
+    /// to a peer. The region owns `memory` (boxed: its bytes do not move)
+    /// and keeps it registered while any clone, grant or revocation in
+    /// progress holds it;
+    /// [`LocalRegion::try_into_memory`](crate::remote::LocalRegion::try_into_memory)
+    /// gives it back.
+    ///
+    /// Unlike [`register_vec`](Self::register_vec) (read-only, for sends),
+    /// the NIC may write this memory (a peer's grant with WRITE or
+    /// ATOMIC), so it must be writable: a read-only mapping fails to
+    /// register. It does not count against
+    /// [`PoolConfig::max_registered_bytes`](super::PoolConfig::max_registered_bytes)
+    /// (the caller already has the memory); it counts in
+    /// [`PoolStats::regions`](super::PoolStats::regions).
+    ///
+    /// # Errors
+    /// [`PoolError::EmptyRegion`] when `memory` has no bytes;
+    /// [`PoolError::Registration`] when the provider refuses (out of
+    /// pinnable memory, `RLIMIT_MEMLOCK`, a read-only mapping).
+    pub fn register_local<M>(&self, memory: M) -> Result<crate::remote::LocalRegion, PoolError>
+    where
+        M: AsMut<[u8]> + Send + Sync + 'static,
+    {
+        let owner: Box<dyn Any + Send + Sync> = Box::new(memory);
+        let owner = NonNull::from(Box::leak(owner));
+        let rebuild = || {
+            // SAFETY: `owner` came from `Box::leak` just above and is
+            // rebuilt only on this failure path, once.
+            drop(unsafe { Box::from_raw(owner.as_ptr()) })
+        };
+        // SAFETY: `owner` is the live, leaked box, reached only here; the
+        // type is `M`, boxed above.
+        let bytes: &mut [u8] = match unsafe { &mut *owner.as_ptr() }.downcast_mut::<M>() {
+            Some(m) => m.as_mut(),
+            None => unreachable!("boxed as M above"),
+        };
+        let (len, ptr) = (bytes.len(), bytes.as_mut_ptr());
+        let Some(ptr) = NonNull::new(ptr).filter(|_| len > 0) else {
+            rebuild();
+            return Err(PoolError::EmptyRegion);
+        };
+        let pool = &self.inner;
+        // SAFETY: `ptr..ptr+len` is the boxed value's bytes, valid for
+        // reads and writes and not moved until the registration is
+        // dropped: `UserMemory` drops the registration before it rebuilds
+        // and drops the box, and nothing else reaches the box meanwhile.
+        let reg = match unsafe { pool.registrar.register(ptr, len, Access::ReadWrite) } {
+            Ok(reg) => reg,
+            Err(e) => {
+                rebuild();
+                return Err(e);
+            }
+        };
+        pool.regions.fetch_add(1, Ordering::Relaxed);
+        Ok(crate::remote::LocalRegion::from_user(UserMemory {
+            reg: ManuallyDrop::new(reg),
+            ptr,
+            len,
+            owner,
+            pool: Arc::downgrade(pool),
+        }))
     }
 }

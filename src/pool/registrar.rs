@@ -177,6 +177,7 @@ struct FakeState {
     peak_bytes: AtomicU64,
     next_key: AtomicU32,
     fail: AtomicBool,
+    last_access: std::sync::Mutex<Option<Access>>,
 }
 
 #[cfg(test)]
@@ -231,6 +232,15 @@ impl FakeRegistrar {
         self.state.peak_bytes.load(Ordering::SeqCst)
     }
 
+    /// The access of the latest successful registration.
+    pub(crate) fn last_access(&self) -> Option<Access> {
+        *self
+            .state
+            .last_access
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     /// While `fail` is true, every registration fails with
     /// [`PoolError::Registration`] (`ENOMEM`), as a provider out of
     /// pinnable memory would.
@@ -256,7 +266,7 @@ impl Registrar for FakeRegistrar {
         &self,
         _ptr: NonNull<u8>,
         len: usize,
-        _access: Access,
+        access: Access,
     ) -> Result<Box<dyn Registration>, PoolError> {
         if self.state.fail.load(Ordering::SeqCst) {
             return Err(PoolError::Registration {
@@ -268,6 +278,11 @@ impl Registrar for FakeRegistrar {
         let now = self.state.bytes.fetch_add(len, Ordering::SeqCst) + len;
         self.state.peak_bytes.fetch_max(now, Ordering::SeqCst);
         self.state.registrations.fetch_add(1, Ordering::SeqCst);
+        *self
+            .state
+            .last_access
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(access);
         let key = self.state.next_key.fetch_add(1, Ordering::SeqCst) + 1;
         Ok(Box::new(FakeRegistration {
             key,

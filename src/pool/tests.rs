@@ -609,3 +609,140 @@ fn owns_rejects_memory_outside_every_slab() {
     assert!(p.owns(b.addr() as *const u8, b.capacity()));
     assert!(!p.owns(b.addr() as *const u8, usize::MAX));
 }
+
+/// Memory of the caller's that records when it is dropped and how many
+/// registrations were dropped by then.
+struct Tracked {
+    bytes: Box<[u8]>,
+    dropped: std::sync::Arc<std::sync::Mutex<Option<u64>>>,
+    fake: FakeRegistrar,
+}
+
+impl AsMut<[u8]> for Tracked {
+    fn as_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        *self.dropped.lock().unwrap() = Some(self.fake.deregistrations());
+    }
+}
+
+#[test]
+fn register_local_owns_the_memory_and_gives_it_back_with_what_was_written() {
+    let (p, fake) = pool(PoolConfig::default());
+    let v: Vec<u8> = (0..1000u32).map(|i| (i % 251) as u8).collect();
+    let expect = v.clone();
+    let ptr = v.as_ptr() as u64;
+    let r = p.register_local(v).unwrap();
+    assert_eq!((r.len(), r.addr()), (1000, ptr), "no copy, no move");
+    assert_eq!(fake.last_access(), Some(Access::ReadWrite));
+    assert_eq!((fake.registrations(), p.stats().regions), (1, 1));
+    assert!(r.usable_with(&p));
+    let (other, _) = pool(PoolConfig::default());
+    assert!(!r.usable_with(&other), "another pool's PD");
+
+    r.write_at(998, &[7, 8]).unwrap();
+    let mut head = [0u8; 3];
+    r.read_at(0, &mut head).unwrap();
+    assert_eq!(head, [0, 1, 2]);
+    let e = r.write_at(999, &[1, 2]).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+
+    // Held by a clone: refused, unchanged.
+    let clone = r.clone();
+    let r = r.try_into_memory::<Vec<u8>>().unwrap_err();
+    drop(clone);
+    // Not a `Box<[u8]>`: refused, still registered.
+    let r = r.try_into_memory::<Box<[u8]>>().unwrap_err();
+    assert_eq!((fake.deregistrations(), r.addr()), (0, ptr));
+    let back: Vec<u8> = r.try_into_memory().unwrap();
+    assert_eq!((back.len(), back.as_ptr() as u64), (1000, ptr));
+    assert_eq!(back[..998], expect[..998]);
+    assert_eq!(back[998..], [7, 8]);
+    assert_eq!((fake.deregistrations(), p.stats().regions), (1, 0));
+
+    // A pool buffer's region has no memory of the caller's to give back.
+    let buf = p.try_alloc(100).unwrap();
+    let pooled = crate::remote::LocalRegion::new(buf);
+    assert!(pooled.usable_with(&p) && !pooled.usable_with(&other));
+    let pooled = pooled.try_into_memory::<Vec<u8>>().unwrap_err();
+    assert_eq!(pooled.len(), 4096);
+}
+
+#[test]
+fn register_local_deregisters_before_freeing_and_frees_on_failure() {
+    let (p, fake) = pool(PoolConfig::default());
+    let dropped = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let tracked = |n: usize| Tracked {
+        bytes: vec![3u8; n].into_boxed_slice(),
+        dropped: dropped.clone(),
+        fake: fake.clone(),
+    };
+    let r = p.register_local(tracked(64)).unwrap();
+    drop(r);
+    assert_eq!(
+        *dropped.lock().unwrap(),
+        Some(1),
+        "freed after deregistration"
+    );
+    assert_eq!(p.stats().regions, 0);
+
+    *dropped.lock().unwrap() = None;
+    assert!(matches!(
+        p.register_local(tracked(0)),
+        Err(PoolError::EmptyRegion)
+    ));
+    assert_eq!(*dropped.lock().unwrap(), Some(1), "an empty one is dropped");
+    *dropped.lock().unwrap() = None;
+    fake.set_fail(true);
+    assert!(matches!(
+        p.register_local(tracked(64)),
+        Err(PoolError::Registration { len: 64, .. })
+    ));
+    assert_eq!(
+        *dropped.lock().unwrap(),
+        Some(1),
+        "a refused one is dropped"
+    );
+    assert_eq!((fake.registrations(), p.stats().regions), (1, 0));
+}
+
+#[test]
+fn register_local_keeps_inline_memory_in_place_and_checks_word_alignment() {
+    let (p, _fake) = pool(PoolConfig::default());
+    // An array lives inline in its value: boxed, it does not move.
+    let r = p.register_local([5u8; 64]).unwrap();
+    let addr = r.addr();
+    let moved = vec![r.clone()];
+    assert_eq!(moved[0].addr(), addr);
+    let mut all = [0u8; 64];
+    r.read_at(0, &mut all).unwrap();
+    assert_eq!(all, [5u8; 64]);
+    r.write_at(0, &[0u8; 64]).unwrap();
+    // Words are read where the address, not the offset, is aligned.
+    let first = (8 - (addr % 8) as usize) % 8;
+    r.write_at(first, &0x0102_0304_0506_0708u64.to_ne_bytes())
+        .unwrap();
+    assert_eq!(r.load_u64(first).unwrap(), 0x0102_0304_0506_0708);
+    let e = r.load_u64(first + 1).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+    let past = first + 8 * ((64 - first) / 8); // the first aligned word not inside
+    assert_eq!(r.load_u64(past - 8).unwrap(), 0);
+    let e = r.load_u64(past).unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "past the end");
+    drop(moved);
+    let back: [u8; 64] = r.try_into_memory().unwrap();
+    assert_eq!(
+        back[first..first + 8],
+        0x0102_0304_0506_0708u64.to_ne_bytes()
+    );
+
+    let b = bytes::BytesMut::from(&b"remote memory"[..]);
+    let r = p.register_local(b).unwrap();
+    r.write_at(0, b"R").unwrap();
+    let back: bytes::BytesMut = r.try_into_memory().unwrap();
+    assert_eq!(&back[..], b"Remote memory");
+}
