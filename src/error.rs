@@ -361,6 +361,24 @@ pub enum Error {
         device: String,
     },
 
+    /// The caller runs in a child made by `fork()` from process `parent`,
+    /// which opened the RDMA resources `op` would use. They live in the
+    /// parent's verbs and rdma_cm file descriptors, which the child shares:
+    /// using them would post to, poll, or destroy the parent's queue pairs
+    /// and memory regions, so every operation on them is refused (and a
+    /// dropped one is leaked, not destroyed). A child that needs RDMA runs
+    /// a new program (`exec`, as `std::process::Command` does). Maps to
+    /// [`io::ErrorKind::Unsupported`].
+    #[error(
+        "{op}: RDMA resources of process {parent} cannot be used in a child it forked (they live in the parent's verbs and rdma_cm file descriptors); exec a new program to use RDMA in the child"
+    )]
+    InheritedAfterFork {
+        /// The refused operation.
+        op: &'static str,
+        /// The process that opened the resources.
+        parent: u32,
+    },
+
     /// A broken internal invariant (a bug in tokio-rdma, never the peer's
     /// doing). Maps to [`io::ErrorKind::Other`].
     #[error("internal error: {0}")]
@@ -472,7 +490,9 @@ impl Error {
                 _ => io::ErrorKind::ConnectionAborted,
             },
             Error::IncomingMessageMemory { .. } => io::ErrorKind::OutOfMemory,
-            Error::NoAtomics { .. } | Error::AutoPortOnIwarp { .. } => io::ErrorKind::Unsupported,
+            Error::NoAtomics { .. }
+            | Error::AutoPortOnIwarp { .. }
+            | Error::InheritedAfterFork { .. } => io::ErrorKind::Unsupported,
             Error::PeerDisconnected => io::ErrorKind::ConnectionReset,
             Error::DeviceRemoved | Error::LocalAbort => io::ErrorKind::ConnectionAborted,
             Error::WriteAfterShutdown | Error::PeerClosed => io::ErrorKind::BrokenPipe,
@@ -701,6 +721,10 @@ impl Clone for Error {
                 device: device.clone(),
             },
             Error::AutoPortOnIwarp { addr } => Error::AutoPortOnIwarp { addr: addr.clone() },
+            Error::InheritedAfterFork { op, parent } => Error::InheritedAfterFork {
+                op,
+                parent: *parent,
+            },
             Error::Internal(s) => Error::Internal(s.clone()),
         }
     }

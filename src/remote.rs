@@ -631,6 +631,7 @@ impl Grant {
     /// connection fails before the NIC confirmed; the key is dead then
     /// too (its QP is in the error state).
     pub async fn revoke(mut self) -> io::Result<()> {
+        crate::verbs::fork::check_io("Grant::revoke")?;
         self.revoked = true;
         let Some(conn) = self.conn.upgrade() else {
             return Ok(());
@@ -655,7 +656,8 @@ pub(crate) trait GrantOwner: Send + Sync {
 
 impl Drop for Grant {
     fn drop(&mut self) {
-        if self.revoked {
+        // In a forked child the window is the parent's: left alone.
+        if self.revoked || crate::verbs::fork::inherited() {
             return;
         }
         if let Some(conn) = self.conn.upgrade() {

@@ -15,9 +15,10 @@
 
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_rdma::pool::PoolConfig;
 use tokio_rdma::remote::{GrantAccess, LocalRegion};
-use tokio_rdma::{MessageConfig, RdmaListener, RdmaStream};
+use tokio_rdma::{Error, MemoryPool, MessageConfig, RdmaListener, RdmaStream};
 
 mod common;
 
@@ -51,6 +52,38 @@ async fn echo_pattern(client: &mut RdmaStream, seed: u64, len: usize) -> usize {
         back.iter().zip(&data).take_while(|(a, b)| a == b).count()
     };
     tokio::join!(write, read).1
+}
+
+/// Waits (off the runtime) for forked child `pid`; its exit code, after
+/// checking it exited rather than died.
+async fn exit_code(pid: libc::pid_t) -> i32 {
+    let (got, status) = tokio::task::spawn_blocking(move || {
+        let mut status = 0;
+        // SAFETY: waits for our own child; `status` is a valid out-pointer.
+        let got = unsafe { libc::waitpid(pid, &mut status, 0) };
+        (got, status)
+    })
+    .await
+    .expect("waitpid task");
+    assert_eq!(got, pid);
+    assert!(libc::WIFEXITED(status), "the child exited: {status:#x}");
+    libc::WEXITSTATUS(status)
+}
+
+/// Half-closes `client`, reads to the echo's EOF, and checks the echo
+/// task moved `total` bytes.
+async fn finish_echo(
+    mut client: RdmaStream,
+    echo: tokio::task::JoinHandle<std::io::Result<u64>>,
+    total: usize,
+) {
+    client.shutdown().await.expect("shutdown");
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut rest))
+        .await
+        .expect("EOF in time")
+        .expect("EOF");
+    assert_eq!(echo.await.expect("echo task").expect("echo"), total as u64);
 }
 
 /// Children started with `std::process::Command` and
@@ -153,16 +186,7 @@ async fn a_forked_child_writing_registered_pages_leaves_the_parents_intact() {
             libc::_exit(0);
         }
     }
-    let status = tokio::task::spawn_blocking(move || {
-        let mut status = 0;
-        // SAFETY: waits for our own child; `status` is a valid out-pointer.
-        let got = unsafe { libc::waitpid(pid, &mut status, 0) };
-        (got, status)
-    })
-    .await
-    .expect("waitpid task");
-    assert_eq!(status.0, pid);
-    assert!(libc::WIFEXITED(status.1) && libc::WEXITSTATUS(status.1) == 0);
+    assert_eq!(exit_code(pid).await, 0);
     assert!(
         heap.iter().all(|&b| b == 0),
         "the child's writes stayed in the child"
@@ -188,14 +212,132 @@ async fn a_forked_child_writing_registered_pages_leaves_the_parents_intact() {
     assert_eq!(echo_pattern(&mut client, 4, 4 * MIB).await, 4 * MIB);
 
     grant.revoke().await.expect("revoke");
-    client.shutdown().await.expect("shutdown");
-    let mut rest = Vec::new();
-    tokio::time::timeout(Duration::from_secs(30), client.read_to_end(&mut rest))
+    finish_echo(client, echo, 5 * MIB).await;
+}
+
+/// Polls `fut` once (a forked child has no runtime): an inherited
+/// resource's operation must be refused before it waits for anything.
+fn poll_once<F: std::future::Future>(fut: F) -> std::task::Poll<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    std::pin::pin!(fut).poll(&mut cx)
+}
+
+/// Whether `r` is ready with `Error::InheritedAfterFork` naming `parent`.
+fn refused<T>(r: std::task::Poll<std::io::Result<T>>, parent: u32) -> bool {
+    match r {
+        std::task::Poll::Ready(Err(e)) => {
+            e.kind() == std::io::ErrorKind::Unsupported
+                && matches!(
+                    Error::from_io(&e),
+                    Some(Error::InheritedAfterFork { parent: p, .. }) if *p == parent
+                )
+        }
+        _ => false,
+    }
+}
+
+/// A forked child that tries every kind of operation on endpoints,
+/// streams, grants and pools it inherited gets `InheritedAfterFork`
+/// (naming the parent) from each, at once; then it drops all of them, a
+/// registered region and its pool included, whose last references it
+/// holds. The parent's objects are untouched: the region the child
+/// dropped is still registered (a new grant on it binds and the peer
+/// reads its bytes), the endpoints and the stream carry on exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forked_child_is_refused_inherited_endpoints_and_its_drops_leave_the_parents() {
+    let (mut client, server) = stream_pair().await;
+    let addr = client.peer_addr().unwrap();
+    let echo = tokio::spawn(common::echo(server));
+    assert_eq!(echo_pattern(&mut client, 1, MIB).await, MIB);
+    let (owner, user) = common::message_pair(IP, &MessageConfig::new()).await;
+    let pooled = LocalRegion::new(owner.pool().alloc_any(4096).await.unwrap());
+    let grant = owner
+        .grant(&pooled, 0..4096, GrantAccess::READ)
         .await
-        .expect("EOF in time")
-        .expect("EOF");
+        .expect("grant");
+    let remote = grant.remote();
+    let pool = MemoryPool::for_device(owner.device(), PoolConfig::default()).expect("a pool");
+    let mine = pool
+        .register_local(shared::pattern_vec(5, 64 * 1024))
+        .expect("register");
+    let mine_addr = mine.addr();
+
+    let parent = std::process::id();
+    // SAFETY: the child calls only the crate's refusals (an atomic load,
+    // then an error's allocation: glibc's malloc is usable in a forked
+    // child) and drops, and leaves with `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let code = (|| {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            let checks = [
+                refused(poll_once(user.send_copy(b"from the child")), parent),
+                refused(poll_once(owner.recv()), parent),
+                refused(poll_once(user.read(&remote, 0, 8)), parent),
+                refused(poll_once(user.write(&remote, 0, b"x")), parent),
+                refused(
+                    poll_once(owner.grant(&mine, 0..8, GrantAccess::READ)),
+                    parent,
+                ),
+                refused(
+                    std::pin::Pin::new(&mut client).poll_write(&mut cx, b"from the child"),
+                    parent,
+                ),
+                refused(poll_once(RdmaStream::connect(addr)), parent),
+                refused(poll_once(RdmaListener::bind(format!("{IP}:0"))), parent),
+                refused(poll_once(grant.revoke()), parent),
+                matches!(
+                    pool.register_local(vec![1u8; 4096]),
+                    Err(tokio_rdma::pool::PoolError::Registration { .. })
+                ),
+            ];
+            if let Some(i) = checks.iter().position(|ok| !ok) {
+                return 10 + i as i32;
+            }
+            drop(mine);
+            drop(pool);
+            drop(pooled);
+            drop(client);
+            drop(owner);
+            drop(user);
+            0
+        })();
+        // SAFETY: leaves the child without running the parent's exit
+        // handlers or destructors.
+        unsafe { libc::_exit(code) };
+    }
     assert_eq!(
-        echo.await.expect("echo task").expect("echo"),
-        (5 * MIB) as u64
+        exit_code(pid).await,
+        0,
+        "the first refusal that failed is 10 + its index"
     );
+
+    // The region the child dropped is still the parent's, registered.
+    assert_eq!(mine.addr(), mine_addr);
+    let g = owner
+        .grant(&mine, 100..200, GrantAccess::READ)
+        .await
+        .expect("grant on the region the child dropped");
+    assert_eq!(
+        &user.read(&g.remote(), 0, 100).await.expect("READ")[..],
+        &shared::pattern_vec(5, 64 * 1024)[100..200]
+    );
+    g.revoke().await.expect("revoke");
+    // The grant the child tried to revoke still opens its bytes.
+    assert_eq!(user.read(&remote, 0, 8).await.expect("READ").len(), 8);
+    // Messages both ways, and the stream, exactly as before.
+    user.send_copy(b"after the fork").await.expect("send");
+    assert_eq!(
+        &owner.recv().await.expect("recv").expect("a message")[..],
+        b"after the fork"
+    );
+    owner.send_copy(b"and back").await.expect("send");
+    assert_eq!(
+        &user.recv().await.expect("recv").expect("a message")[..],
+        b"and back"
+    );
+    assert_eq!(echo_pattern(&mut client, 6, 2 * MIB).await, 2 * MIB);
+    grant.revoke().await.expect("revoke");
+    finish_echo(client, echo, 3 * MIB).await;
 }

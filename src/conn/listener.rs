@@ -86,6 +86,9 @@ impl<S: Setup> Listener<S> {
         &self,
         cx: &mut Context<'_>,
     ) -> Poll<io::Result<(S::Out, SocketAddr)>> {
+        if let Err(e) = crate::verbs::fork::check_io("accept") {
+            return Poll::Ready(Err(e));
+        }
         let mut rx = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
         match rx.poll_recv(cx) {
             // Dropping the permit frees the backlog slot.

@@ -628,6 +628,7 @@ impl MessageEndpoint {
         addr: A,
         config: &MessageConfig,
     ) -> io::Result<MessageEndpoint> {
+        crate::verbs::fork::check_io("MessageEndpoint::connect")?;
         config.validate()?;
         let (conn, pool) = crate::conn::connect_any(addr, &MessageSetup(config.clone())).await?;
         Ok(MessageEndpoint::new(conn, pool))
@@ -660,6 +661,7 @@ impl MessageEndpoint {
     /// `ConnectionReset` / `BrokenPipe` once the connection failed or the
     /// peer closed; `InvalidData` after a protocol violation.
     pub async fn send(&self, msg: impl Into<OutgoingMessage>) -> io::Result<()> {
+        crate::verbs::fork::check_io("MessageEndpoint::send")?;
         let mut msg = msg.into();
         if self.needs_copy(&msg) {
             msg = self.copy_to_pool(&msg, self.pool.alloc_any(msg.len()).await?);
@@ -697,6 +699,7 @@ impl MessageEndpoint {
     /// # Errors
     /// Those of [`send`](Self::send) and of [`MemoryPool::alloc_any`].
     pub async fn send_copy(&self, data: &[u8]) -> io::Result<()> {
+        crate::verbs::fork::check_io("MessageEndpoint::send_copy")?;
         let mut buf = self.pool().alloc_any(data.len()).await?;
         buf.spare_mut()[..data.len()].copy_from_slice(data);
         buf.set_len(data.len());
@@ -709,6 +712,7 @@ impl MessageEndpoint {
     /// # Errors
     /// As for [`send`](Self::send).
     pub async fn flush(&self) -> io::Result<()> {
+        crate::verbs::fork::check_io("MessageEndpoint::flush")?;
         std::future::poll_fn(|cx| self.conn.poll_flush(cx)).await
     }
 
@@ -723,6 +727,7 @@ impl MessageEndpoint {
     /// `InvalidData` when the peer broke the protocol (for example announced
     /// a message above `max_message_len`).
     pub async fn recv(&self) -> io::Result<Option<PoolBytes>> {
+        crate::verbs::fork::check_io("MessageEndpoint::recv")?;
         std::future::poll_fn(|cx| self.conn.poll_recv(cx)).await
     }
 
@@ -734,6 +739,7 @@ impl MessageEndpoint {
     /// # Errors
     /// As [`recv`](Self::recv).
     pub async fn recv_incoming(&self) -> io::Result<Option<Incoming>> {
+        crate::verbs::fork::check_io("MessageEndpoint::recv_incoming")?;
         std::future::poll_fn(|cx| self.conn.poll_incoming(cx)).await
     }
 
@@ -754,6 +760,7 @@ impl MessageEndpoint {
     /// Those of [`flush`](Self::flush), and `TimedOut` at the bound; the
     /// handle is dropped either way.
     pub async fn close(self) -> io::Result<()> {
+        crate::verbs::fork::check_io("MessageEndpoint::close")?;
         let linger = self.conn.lock().linger();
         let flushed = match tokio::time::timeout(linger, self.flush()).await {
             Ok(r) => r,
@@ -776,6 +783,9 @@ impl MessageEndpoint {
     /// Aborts the endpoint: queued and unfinished messages are dropped and
     /// the peer sees `ConnectionReset` ([`Error::PeerAborted`], code 0).
     pub fn abort(&self) {
+        if crate::verbs::fork::inherited() {
+            return; // the parent's (abort)
+        }
         self.conn.abort();
     }
 
@@ -845,6 +855,7 @@ impl MessageEndpoint {
         range: std::ops::Range<usize>,
         access: GrantAccess,
     ) -> io::Result<Grant> {
+        crate::verbs::fork::check_io("MessageEndpoint::grant")?;
         let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidInput, m);
         if access.is_empty() {
             return Err(invalid("a grant needs some access".into()));
@@ -899,6 +910,7 @@ impl MessageEndpoint {
         offset: u64,
         len: usize,
     ) -> io::Result<PoolBytes> {
+        crate::verbs::fork::check_io("MessageEndpoint::read")?;
         let addr = remote.check("RDMA READ", offset, len as u64, GrantAccess::READ)?;
         let len32 = wr_len("RDMA READ", len)?;
         let buf = self.pool.alloc_any(len.max(1)).await?;
@@ -925,6 +937,7 @@ impl MessageEndpoint {
     /// # Errors
     /// As [`read`](Self::read), for WRITE access.
     pub async fn write(&self, remote: &RemoteRegion, offset: u64, data: &[u8]) -> io::Result<()> {
+        crate::verbs::fork::check_io("MessageEndpoint::write")?;
         let addr = remote.check("RDMA WRITE", offset, data.len() as u64, GrantAccess::WRITE)?;
         let len = wr_len("RDMA WRITE", data.len())?;
         let buf = self.copied(data).await?;
@@ -966,6 +979,7 @@ impl MessageEndpoint {
         data: &[u8],
         value: u32,
     ) -> io::Result<()> {
+        crate::verbs::fork::check_io("MessageEndpoint::write_notify")?;
         if value > MAX_IMM_VALUE {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -1002,6 +1016,7 @@ impl MessageEndpoint {
     /// pool's errors; `ConnectionReset` once the endpoint failed.
     /// Cancel-safe as `read`.
     pub async fn transfer(&self, ops: &[Transfer<'_>]) -> io::Result<Vec<PoolBytes>> {
+        crate::verbs::fork::check_io("MessageEndpoint::transfer")?;
         if ops.len() > MAX_TRANSFER_BATCH {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -1092,6 +1107,7 @@ impl MessageEndpoint {
         expect: u64,
         new: u64,
     ) -> io::Result<u64> {
+        crate::verbs::fork::check_io("MessageEndpoint::compare_swap")?;
         let addr = remote.check("ATOMIC compare-and-swap", offset, 8, GrantAccess::ATOMIC)?;
         let wr = RemoteWr::CompareSwap {
             addr,
@@ -1108,6 +1124,7 @@ impl MessageEndpoint {
     /// # Errors
     /// As [`compare_swap`](Self::compare_swap).
     pub async fn fetch_add(&self, remote: &RemoteRegion, offset: u64, add: u64) -> io::Result<u64> {
+        crate::verbs::fork::check_io("MessageEndpoint::fetch_add")?;
         let addr = remote.check("ATOMIC fetch-and-add", offset, 8, GrantAccess::ATOMIC)?;
         let wr = RemoteWr::FetchAdd {
             addr,
@@ -1149,6 +1166,9 @@ impl Stream for MessageEndpoint {
     type Item = io::Result<PoolBytes>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Err(e) = crate::verbs::fork::check_io("MessageEndpoint::poll_next") {
+            return Poll::Ready(Some(Err(e)));
+        }
         self.conn.poll_recv(cx).map(Result::transpose)
     }
 }
@@ -1157,6 +1177,9 @@ impl<M: Into<OutgoingMessage>> Sink<M> for MessageEndpoint {
     type Error = io::Error;
 
     fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Err(e) = crate::verbs::fork::check_io("MessageEndpoint::poll_ready") {
+            return Poll::Ready(Err(e));
+        }
         self.conn.poll_send_ready(cx)
     }
 
@@ -1174,6 +1197,9 @@ impl<M: Into<OutgoingMessage>> Sink<M> for MessageEndpoint {
     /// Ready once every message fed so far is posted to the NIC (as a
     /// socket's flush hands bytes to the kernel).
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Err(e) = crate::verbs::fork::check_io("MessageEndpoint::poll_flush") {
+            return Poll::Ready(Err(e));
+        }
         self.conn.poll_posted(cx)
     }
 
@@ -1181,6 +1207,9 @@ impl<M: Into<OutgoingMessage>> Sink<M> for MessageEndpoint {
     /// [`MessageEndpoint::flush`]; the connection closes when the last
     /// handle drops.
     fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Err(e) = crate::verbs::fork::check_io("MessageEndpoint::poll_close") {
+            return Poll::Ready(Err(e));
+        }
         match self.conn.poll_posted(cx) {
             Poll::Ready(Ok(())) => self.conn.poll_flush(cx),
             other => other,
@@ -1218,6 +1247,7 @@ impl MessageListener {
         addr: A,
         config: &MessageConfig,
     ) -> io::Result<MessageListener> {
+        crate::verbs::fork::check_io("MessageListener::bind")?;
         config.validate()?;
         let inner = Listener::bind(addr, MessageSetup(config.clone())).await?;
         Ok(MessageListener { inner })
@@ -1229,6 +1259,7 @@ impl MessageListener {
     /// # Errors
     /// An error of the listening rdma_cm id itself.
     pub async fn accept(&self) -> io::Result<(MessageEndpoint, SocketAddr)> {
+        crate::verbs::fork::check_io("MessageListener::accept")?;
         std::future::poll_fn(|cx| self.inner.poll_accept(cx))
             .await
             .map(|((conn, pool), a)| (MessageEndpoint::new(conn, pool), a))

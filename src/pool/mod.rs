@@ -353,7 +353,7 @@ impl MemoryPool {
         Self::with_registrar(
             VerbsRegistrar {
                 device,
-                pd: Some(pd),
+                pd: Some(crate::verbs::fork::ParentOnly::new(pd)),
             },
             config,
         )

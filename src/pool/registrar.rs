@@ -102,7 +102,8 @@ pub(crate) struct VerbsRegistrar {
     pub(crate) device: Arc<OpenDevice>,
     /// A PD of one connection's own (a message endpoint on a device
     /// without memory windows) instead of the device's shared one.
-    pub(crate) pd: Option<Arc<ProtectionDomain>>,
+    /// Leaked in a forked child, like the QP's (`fork::ParentOnly`).
+    pub(crate) pd: Option<crate::verbs::fork::ParentOnly<Arc<ProtectionDomain>>>,
 }
 
 impl Registration for MemoryRegistration {

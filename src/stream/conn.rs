@@ -555,6 +555,9 @@ impl Conn {
         cx: &mut Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if let Err(e) = crate::verbs::fork::check_io("RdmaStream::poll_read") {
+            return Poll::Ready(Err(e));
+        }
         let mut st = self.lock();
         if buf.remaining() == 0 {
             return Poll::Ready(Ok(()));
@@ -654,6 +657,9 @@ impl Conn {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        if let Err(e) = crate::verbs::fork::check_io("RdmaStream::poll_write") {
+            return Poll::Ready(Err(e));
+        }
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         let mut st = self.lock();
         let cap = match st.core.write_capacity() {
@@ -720,6 +726,9 @@ impl Conn {
 
     /// Ready once every accepted byte has been posted to the NIC.
     pub(crate) fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Err(e) = crate::verbs::fork::check_io("RdmaStream::poll_flush") {
+            return Poll::Ready(Err(e));
+        }
         let mut st = self.lock();
         if let Some(e) = st.err_io() {
             return Poll::Ready(Err(e));
@@ -749,6 +758,9 @@ impl Conn {
     /// when the peer's credit allows (bounded by the linger timeout once
     /// every handle is gone); a later write is `BrokenPipe`.
     pub(crate) fn poll_shutdown(&self, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Err(e) = crate::verbs::fork::check_io("RdmaStream::poll_shutdown") {
+            return Poll::Ready(Err(e));
+        }
         let mut st = self.lock();
         if st.peer_gone && !st.core.fin_received() && st.error.is_none() {
             // The peer vanished without closing: like shutdown(2) on a

@@ -84,6 +84,7 @@ impl RdmaListener {
         addr: A,
         config: &RdmaConfig,
     ) -> io::Result<RdmaListener> {
+        crate::verbs::fork::check_io("RdmaListener::bind")?;
         config.validate()?;
         let inner = Listener::bind(addr, StreamSetup(config.clone())).await?;
         Ok(RdmaListener { inner })

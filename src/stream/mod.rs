@@ -76,6 +76,7 @@ impl RdmaStream {
         addr: A,
         config: &RdmaConfig,
     ) -> io::Result<RdmaStream> {
+        crate::verbs::fork::check_io("RdmaStream::connect")?;
         config.validate()?;
         let conn = crate::conn::connect_any(addr, &listener::StreamSetup(config.clone())).await?;
         Ok(RdmaStream::from_conn(conn))

@@ -37,6 +37,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
 use super::count::{Counted, DeviceLimits, Kind, classify};
+use super::fork::ParentOnly;
 use super::routes::Routes;
 use crate::error::{Error, Result};
 
@@ -98,6 +99,9 @@ impl AsRawFd for RawChannel {
 
 impl Drop for RawChannel {
     fn drop(&mut self) {
+        if crate::verbs::fork::inherited() {
+            return; // the parent's channel: leaked
+        }
         // SAFETY: we own the channel; every id created on it holds an Arc to
         // the `EventChannel`, so no id outlives it.
         unsafe { rdma_destroy_event_channel(self.0.as_ptr()) };
@@ -106,7 +110,9 @@ impl Drop for RawChannel {
 
 /// An rdma_cm event channel with a non-blocking fd registered with tokio.
 pub(crate) struct EventChannel {
-    fd: AsyncFd<RawChannel>,
+    /// Leaked in a forked child: deregistering it would delete it from the
+    /// epoll set the child shares with its parent.
+    fd: ParentOnly<AsyncFd<RawChannel>>,
     _counted: Counted,
 }
 
@@ -124,6 +130,8 @@ pub(crate) struct CmEvent {
 
 /// `rdma_create_event_channel` with its errors classified.
 fn create_raw_channel() -> Result<RawChannel> {
+    crate::verbs::fork::check("rdma_create_event_channel")?;
+    crate::verbs::fork::watch();
     // SAFETY: plain constructor; NULL is checked below.
     let raw = unsafe { rdma_create_event_channel() };
     let Some(raw) = NonNull::new(raw) else {
@@ -200,7 +208,7 @@ impl EventChannel {
                 source: e.into(),
             })?;
         Ok(Arc::new(EventChannel {
-            fd,
+            fd: ParentOnly::new(fd),
             _counted: Counted::new(Kind::CmEventChannel),
         }))
     }
@@ -211,6 +219,7 @@ impl EventChannel {
 
     /// Takes one event if one is queued.
     fn try_next(self: &Arc<Self>) -> io::Result<Option<CmEvent>> {
+        crate::verbs::fork::check_io("rdma_get_cm_event")?;
         let mut ev: *mut rdma_cm_event = ptr::null_mut();
         // SAFETY: valid channel; `ev` is written on success only.
         let ret = unsafe { rdma_get_cm_event(self.raw(), &mut ev) };
@@ -409,6 +418,7 @@ fn cm_err(op: &'static str) -> Error {
 impl CmId {
     /// Creates an id in the TCP port space on `channel` (a listener's).
     pub(crate) fn new(channel: &Arc<EventChannel>) -> Result<Self> {
+        crate::verbs::fork::check("rdma_create_id")?;
         let mut id: *mut rdma_cm_id = ptr::null_mut();
         // SAFETY: valid channel; `id` is written on success.
         let ret = unsafe {
@@ -434,6 +444,7 @@ impl CmId {
     /// (for a connect). Errors: those of [`SharedChannel::get`], or
     /// `Error::Verbs` for `rdma_create_id`.
     pub(crate) fn new_shared() -> Result<Self> {
+        crate::verbs::fork::check("rdma_create_id")?;
         let channel = SharedChannel::get()?;
         let (token, events) = channel.register();
         let mut id: *mut rdma_cm_id = ptr::null_mut();
@@ -479,6 +490,7 @@ impl CmId {
         unsafe { (*self.raw.as_ptr()).context = ptr::without_provenance_mut(token as usize) };
         // SAFETY: valid id and channel; every event of this id on the old
         // channel has been acked (we ack on receipt), so this cannot block.
+        crate::verbs::fork::check("rdma_migrate_id")?;
         if unsafe { rdma_migrate_id(self.raw.as_ptr(), channel.raw()) } != 0 {
             let e = cm_err("rdma_migrate_id");
             channel.unregister(token);
@@ -508,6 +520,7 @@ impl CmId {
     pub(crate) fn bind(&self, addr: SocketAddr) -> Result<()> {
         let mut sa = OsSocketAddr::from(addr);
         // SAFETY: `sa` is a valid sockaddr for the duration of the call.
+        crate::verbs::fork::check("rdma_bind_addr")?;
         if unsafe { rdma_bind_addr(self.raw.as_ptr(), sa.as_mut_ptr()) } != 0 {
             return Err(cm_err("rdma_bind_addr"));
         }
@@ -516,6 +529,7 @@ impl CmId {
 
     pub(crate) fn listen(&self, backlog: i32) -> Result<()> {
         // SAFETY: valid, bound id.
+        crate::verbs::fork::check("rdma_listen")?;
         if unsafe { rdma_listen(self.raw.as_ptr(), backlog) } != 0 {
             return Err(cm_err("rdma_listen"));
         }
@@ -526,6 +540,7 @@ impl CmId {
         let mut sa = OsSocketAddr::from(dst);
         let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
         // SAFETY: `sa` is valid for the call; librdmacm copies it.
+        crate::verbs::fork::check("rdma_resolve_addr")?;
         if unsafe { rdma_resolve_addr(self.raw.as_ptr(), ptr::null_mut(), sa.as_mut_ptr(), ms) }
             != 0
         {
@@ -537,6 +552,7 @@ impl CmId {
     pub(crate) fn resolve_route(&self, timeout: Duration) -> Result<()> {
         let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
         // SAFETY: valid id whose address was resolved.
+        crate::verbs::fork::check("rdma_resolve_route")?;
         if unsafe { rdma_resolve_route(self.raw.as_ptr(), ms) } != 0 {
             return Err(cm_err("rdma_resolve_route"));
         }
@@ -569,6 +585,7 @@ impl CmId {
         let mut p = Self::conn_param(qp_num, private_data, read_depth);
         // SAFETY: `p` and the private data it points to live across the call;
         // librdmacm copies them into the request.
+        crate::verbs::fork::check("rdma_connect")?;
         if unsafe { rdma_connect(self.raw.as_ptr(), &mut p) } != 0 {
             return Err(cm_err("rdma_connect"));
         }
@@ -581,6 +598,7 @@ impl CmId {
     pub(crate) fn accept(&self, qp_num: u32, private_data: &[u8], read_depth: u8) -> Result<()> {
         let mut p = Self::conn_param(qp_num, private_data, read_depth);
         // SAFETY: as in `connect`.
+        crate::verbs::fork::check("rdma_accept")?;
         if unsafe { rdma_accept(self.raw.as_ptr(), &mut p) } != 0 {
             return Err(cm_err("rdma_accept"));
         }
@@ -591,6 +609,7 @@ impl CmId {
     pub(crate) fn reject(&self, private_data: &[u8]) -> Result<()> {
         let len = u8::try_from(private_data.len()).unwrap_or(u8::MAX);
         // SAFETY: the private data outlives the call; librdmacm copies it.
+        crate::verbs::fork::check("rdma_reject")?;
         if unsafe { rdma_reject(self.raw.as_ptr(), private_data.as_ptr().cast(), len) } != 0 {
             return Err(cm_err("rdma_reject"));
         }
@@ -600,6 +619,7 @@ impl CmId {
     /// `rdma_establish`, after CONNECT_RESPONSE on an id without an rdma_cm QP.
     pub(crate) fn establish(&self) -> Result<()> {
         // SAFETY: valid id with a pending connect response.
+        crate::verbs::fork::check("rdma_establish")?;
         if unsafe { rdma_establish(self.raw.as_ptr()) } != 0 {
             return Err(cm_err("rdma_establish"));
         }
@@ -609,6 +629,7 @@ impl CmId {
     /// `rdma_disconnect`; errors are ignored by callers that tear down anyway.
     pub(crate) fn disconnect(&self) -> Result<()> {
         // SAFETY: valid id.
+        crate::verbs::fork::check("rdma_disconnect")?;
         if unsafe { rdma_disconnect(self.raw.as_ptr()) } != 0 {
             return Err(cm_err("rdma_disconnect"));
         }
@@ -623,6 +644,7 @@ impl CmId {
         attr.qp_state = state;
         let mut mask = 0;
         // SAFETY: valid id and out-pointers.
+        crate::verbs::fork::check("rdma_init_qp_attr")?;
         if unsafe { rdma_init_qp_attr(self.raw.as_ptr(), &mut attr, &mut mask) } != 0 {
             return Err(cm_err("rdma_init_qp_attr"));
         }
@@ -688,6 +710,9 @@ unsafe fn sockaddr_to_std(sa: &libc::sockaddr) -> Option<SocketAddr> {
 
 impl Drop for CmId {
     fn drop(&mut self) {
+        if crate::verbs::fork::inherited() {
+            return; // the parent's id: leaked
+        }
         // SAFETY: we own the id; all of its events were acked on receipt.
         // Its QP (if any) is ours and destroyed separately.
         unsafe { rdma_destroy_id(self.raw.as_ptr()) };

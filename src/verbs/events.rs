@@ -64,6 +64,7 @@ use sideway::ibverbs::completion::{
 use tokio::io::unix::AsyncFd;
 
 use super::count::{Counted, Kind, classify, live, rlimit};
+use super::fork::ParentOnly;
 use super::rc::{Completion, OpenDevice};
 use crate::error::{Error, Result};
 
@@ -376,7 +377,7 @@ impl std::task::Wake for Delegation {
 pub(crate) enum CqEvents {
     /// A channel of the CQ's own on the reactor.
     Own {
-        fd: AsyncFd<ChannelFd>,
+        fd: ParentOnly<AsyncFd<ChannelFd>>,
         delegation: Arc<Delegation>,
         _slot: DedicatedSlot,
         _counted: Counted,
@@ -422,7 +423,7 @@ impl CqEvents {
             match own_channel(device) {
                 Ok(fd) => {
                     return Ok(CqEvents::Own {
-                        fd,
+                        fd: ParentOnly::new(fd),
                         delegation: Arc::default(),
                         _slot: slot,
                         _counted: Counted::new(Kind::CompletionChannel),
@@ -553,6 +554,7 @@ fn own_channel(device: &Arc<OpenDevice>) -> Result<AsyncFd<ChannelFd>> {
 }
 
 fn new_channel(device: &Arc<OpenDevice>) -> Result<Arc<CompletionChannel>> {
+    crate::verbs::fork::check("ibv_create_comp_channel")?;
     let chan = CompletionChannel::new(&device.ctx).map_err(|e| {
         classify(
             "ibv_create_comp_channel",
@@ -605,6 +607,7 @@ fn raw_cq(cq: &BasicCompletionQueue) -> *mut ibv_cq {
 /// Requests a completion event for the next completion on `cq`, or the
 /// next solicited one (`ibv_req_notify_cq`).
 fn arm_cq(cq: &BasicCompletionQueue, solicited_only: bool) -> Result<()> {
+    crate::verbs::fork::check("ibv_req_notify_cq")?;
     // SAFETY: `cq` is a live CQ (borrowed for the call).
     let ret = unsafe { ibv_req_notify_cq(raw_cq(cq), i32::from(solicited_only)) };
     if ret != 0 {
@@ -619,6 +622,7 @@ fn arm_cq(cq: &BasicCompletionQueue, solicited_only: bool) -> Result<()> {
 /// Polls every work completion queued on `cq` (`ibv_poll_cq`, 32 at a
 /// time into a stack array: no allocation) and hands each to `each`.
 fn poll_cq(cq: &BasicCompletionQueue, mut each: impl FnMut(&ibv_wc)) -> Result<()> {
+    crate::verbs::fork::check("ibv_poll_cq")?;
     const BATCH: usize = 32;
     // SAFETY: `ibv_wc` is plain data (integers and a union of integers);
     // all-zero is a valid value, and the provider overwrites what it returns.
@@ -651,7 +655,7 @@ pub(crate) enum QpCq {
     /// the hub's channel (`hub`: routed there by its address until the QP
     /// is destroyed).
     Own {
-        cq: Arc<BasicCompletionQueue>,
+        cq: ParentOnly<Arc<BasicCompletionQueue>>,
         hub: Option<Arc<CqHub>>,
         _counted: Counted,
     },
@@ -690,7 +694,7 @@ impl QpCq {
     ) -> Result<QpCq> {
         match events {
             CqEvents::Own { fd, .. } => Ok(QpCq::Own {
-                cq: create_cq(device, &fd.get_ref().0, entries)?,
+                cq: ParentOnly::new(create_cq(device, &fd.get_ref().0, entries)?),
                 hub: None,
                 _counted: Counted::new(Kind::CompletionQueue),
             }),
@@ -709,7 +713,7 @@ impl QpCq {
                     "a live CQ's address routed twice"
                 );
                 Ok(QpCq::Own {
-                    cq,
+                    cq: ParentOnly::new(cq),
                     hub: Some(Arc::clone(hub)),
                     _counted: Counted::new(Kind::CompletionQueue),
                 })
@@ -803,6 +807,9 @@ impl QpCq {
 
 impl Drop for QpCq {
     fn drop(&mut self) {
+        if crate::verbs::fork::inherited() {
+            return; // the parent's route (its lock may be held by a thread the child lacks)
+        }
         // Before the CQ is destroyed (the fields drop after this): a CQ
         // created later at the same address must not get this one's route.
         // Events still queued for it are acknowledged by the hub
@@ -831,7 +838,7 @@ pub(crate) struct Inbox {
 /// A CQ shared by the QPs of one runtime on one device (see the module
 /// docs); destroyed when the last QP seated on it is.
 pub(crate) struct SharedCq {
-    cq: Arc<BasicCompletionQueue>,
+    cq: ParentOnly<Arc<BasicCompletionQueue>>,
     /// The inbox of each seated QP by QP number; held while polling, so
     /// one task polls the CQ at a time.
     routes: Mutex<HashMap<u32, Arc<Inbox>>>,
@@ -888,6 +895,9 @@ pub(crate) struct Seat {
 
 impl Drop for Seat {
     fn drop(&mut self) {
+        if crate::verbs::fork::inherited() {
+            return; // as for `QpCq`
+        }
         let key = raw_cq(&self.cq.cq) as usize;
         if let Some(Route::Shared(e)) = lock(&self.hub.routes).get_mut(&key) {
             e.free += self.entries;
@@ -917,6 +927,9 @@ struct CqEntry {
 /// Reads every queued event of `channel` (non-blocking), acknowledges each
 /// at once and hands its CQ's address to `each`.
 fn drain(channel: &CompletionChannel, mut each: impl FnMut(*mut ibv_cq)) {
+    if crate::verbs::fork::inherited() {
+        return; // the parent's events
+    }
     loop {
         let mut cq: *mut ibv_cq = std::ptr::null_mut();
         let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
@@ -937,7 +950,7 @@ fn drain(channel: &CompletionChannel, mut each: impl FnMut(*mut ibv_cq)) {
 /// A runtime's completion channel on one device and the CQs reporting to
 /// it (see the module docs).
 pub(crate) struct CqHub {
-    fd: AsyncFd<ChannelFd>,
+    fd: ParentOnly<AsyncFd<ChannelFd>>,
     /// The CQs on this hub's channel, by the CQ's address
     /// (`ibv_get_cq_event` returns it). A QP's own CQ is removed before it
     /// is destroyed; a shared CQ's entry whose CQ is gone is removed by the
@@ -985,7 +998,7 @@ impl CqHub {
             source: e.into(),
         })?;
         let hub = Arc::new(CqHub {
-            fd,
+            fd: ParentOnly::new(fd),
             routes: Mutex::new(HashMap::new()),
             alive: AtomicBool::new(true),
             _device: Arc::clone(device),
@@ -1038,7 +1051,7 @@ impl CqHub {
         ];
         arm_cq(&cq, false)?;
         let shared = Arc::new(SharedCq {
-            cq,
+            cq: ParentOnly::new(cq),
             routes: Mutex::new(HashMap::new()),
             _counted: counted,
         });

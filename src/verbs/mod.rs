@@ -32,6 +32,8 @@ pub(crate) mod cm;
 pub(crate) mod count;
 pub mod device;
 pub(crate) mod events;
+#[allow(unsafe_code)]
+pub(crate) mod fork;
 pub(crate) mod ledger;
 #[allow(unsafe_code)]
 pub(crate) mod mw;

@@ -64,6 +64,7 @@ impl MemoryWindow {
     /// [`Error::Verbs`] with the errno (`EOPNOTSUPP` from a provider without
     /// memory windows, `ENOMEM` at the device's `max_mw`).
     pub(crate) fn alloc(device: &Arc<OpenDevice>) -> Result<MemoryWindow> {
+        crate::verbs::fork::check("ibv_alloc_mw")?;
         // SAFETY: the PD is valid while `device` lives (we keep an Arc).
         let raw = unsafe { ibv_alloc_mw(device.pd.pd().as_ptr(), ibv_mw_type::IBV_MW_TYPE_2) };
         let mw = NonNull::new(raw).ok_or_else(|| {
@@ -123,6 +124,9 @@ impl MemoryWindow {
 
 impl Drop for MemoryWindow {
     fn drop(&mut self) {
+        if crate::verbs::fork::inherited() {
+            return; // the parent's window: leaked
+        }
         // SAFETY: allocated by ibv_alloc_mw and deallocated exactly once,
         // here; the owner drops windows before the QP they are bound to and
         // before the MR under them. Deallocating invalidates the key, so no

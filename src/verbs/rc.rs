@@ -42,6 +42,7 @@ use sideway::ibverbs::queue_pair::{
 use super::cm::CmId;
 use super::count::{Counted, DeviceLimits, Kind, classify};
 use super::events::{CqEvents, QpCq};
+use super::fork::ParentOnly;
 use super::mw::{MemoryWindow, WindowAccess};
 use crate::error::{Error, Result};
 
@@ -114,7 +115,7 @@ pub(crate) struct OpenDevice {
     /// mappings reach page 144 every new CQ or QP lands there and fails
     /// (`ibv_create_cq`/`ibv_create_qp` with errno unset). Seen with tens
     /// of connections in one process.
-    _siw_mmap_guard: Option<Arc<BasicCompletionQueue>>,
+    _siw_mmap_guard: Option<ParentOnly<Arc<BasicCompletionQueue>>>,
     _counted_pd: Counted,
 }
 
@@ -152,6 +153,8 @@ impl OpenDevice {
 
 /// Opens (once per process) the device called `name` and its PD.
 pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
+    crate::verbs::fork::check("open an RDMA device")?;
+    crate::verbs::fork::watch();
     static DEVICES: OnceLock<Mutex<HashMap<String, Arc<OpenDevice>>>> = OnceLock::new();
     let map = DEVICES.get_or_init(Default::default);
     let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
@@ -228,7 +231,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         completes_at_transmit: !immediate_data,
         initiator_sends_first: !immediate_data,
         solicited_events,
-        _siw_mmap_guard: siw_mmap_guard,
+        _siw_mmap_guard: siw_mmap_guard.map(ParentOnly::new),
         _counted_pd: Counted::new(Kind::ProtectionDomain),
     });
     map.insert(name.to_string(), Arc::clone(&d));
@@ -323,7 +326,8 @@ impl MrAccess {
 
 /// One memory region on an opened device's PD; deregistered when dropped.
 pub(crate) struct MemoryRegistration {
-    mr: Arc<MemoryRegion>,
+    /// Leaked in a forked child (deregistering would remove the parent's).
+    mr: ParentOnly<Arc<MemoryRegion>>,
     access: MrAccess,
     // Keeps the device context open while the MR lives.
     _device: Arc<OpenDevice>,
@@ -342,6 +346,7 @@ impl MemoryRegistration {
         len: usize,
         access: MrAccess,
     ) -> io::Result<Self> {
+        crate::verbs::fork::check_io("ibv_reg_mr")?;
         // Pool and user regions never open themselves by their own key.
         debug_assert!(!access.grants_remote_access());
         let flags = access.flags();
@@ -351,7 +356,7 @@ impl MemoryRegistration {
         let mr =
             unsafe { device.pd.reg_mr(ptr.as_ptr() as usize, len, flags) }.map_err(reg_mr_errno)?;
         Ok(MemoryRegistration {
-            mr,
+            mr: ParentOnly::new(mr),
             access,
             _device: Arc::clone(device),
             _counted: Counted::memory_region(len),
@@ -371,6 +376,7 @@ impl MemoryRegistration {
         len: usize,
         access: MrAccess,
     ) -> io::Result<Self> {
+        crate::verbs::fork::check_io("ibv_reg_mr")?;
         // A key that opens memory to a peer is only ever made on a PD of
         // one connection's own.
         debug_assert!(!access.grants_remote_access() || !Arc::ptr_eq(pd, &device.pd));
@@ -378,7 +384,7 @@ impl MemoryRegistration {
         let mr = unsafe { pd.reg_mr(ptr.as_ptr() as usize, len, access.flags()) }
             .map_err(reg_mr_errno)?;
         Ok(MemoryRegistration {
-            mr,
+            mr: ParentOnly::new(mr),
             access,
             _device: Arc::clone(device),
             _counted: Counted::memory_region(len),
@@ -439,6 +445,7 @@ impl RegisteredBuffer {
         access: MrAccess,
         limits: &DeviceLimits,
     ) -> Result<Self> {
+        crate::verbs::fork::check("ibv_reg_mr")?;
         let access = access.flags();
         let layout = Layout::from_size_align(len.max(1), 4096).map_err(|_| Error::Verbs {
             op: "alloc",
@@ -553,6 +560,9 @@ impl RegisteredBuffer {
 
 impl Drop for RegisteredBuffer {
     fn drop(&mut self) {
+        if crate::verbs::fork::inherited() {
+            return; // the parent's MR: leaked, with the memory
+        }
         // SAFETY: the MR is dropped (deregistered) exactly once, here, and
         // only then the memory it covered is freed with the layout it was
         // allocated with. The Arc never leaves this struct, so this is the
@@ -904,7 +914,7 @@ pub(crate) struct RcQueuePair {
     /// The QP is on a PD of its own (`RcSizes::own_pd_without_windows` on
     /// a device without windows), not the device's.
     own_pd: bool,
-    pd: Arc<ProtectionDomain>,
+    pd: ParentOnly<Arc<ProtectionDomain>>,
     device: Arc<OpenDevice>,
     /// QP and (with a PD of its own) the PD.
     _counted: Vec<Counted>,
@@ -924,6 +934,7 @@ impl RcQueuePair {
     /// tokio runtime's for the device: [`CqEvents::new`]) and the QP in
     /// RESET. Must run on a tokio runtime.
     pub(crate) fn new(device: Arc<OpenDevice>, sizes: RcSizes) -> Result<Self> {
+        crate::verbs::fork::check("ibv_create_qp")?;
         let limits = &device.limits;
         let events = CqEvents::new(&device, sizes.share_cq)?;
         let mut counted = Vec::with_capacity(2);
@@ -982,7 +993,7 @@ impl RcQueuePair {
             heard_from_peer: false,
             max_inline,
             own_pd,
-            pd,
+            pd: ParentOnly::new(pd),
             device,
             _counted: counted,
         })
@@ -1068,6 +1079,7 @@ impl RcQueuePair {
     /// Any memory `wr` names (an MR under a bind) must stay valid as the
     /// caller of the posting method guarantees.
     unsafe fn post_raw(&mut self, wr: &mut ibv_send_wr, op: &'static str) -> Result<()> {
+        crate::verbs::fork::check("ibv_post_send")?;
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
         // SAFETY: valid QP; `wr` is one fully initialised WR (no `next`)
         // that lives across the call; its memory is the caller's promise.
@@ -1177,6 +1189,7 @@ impl RcQueuePair {
     /// `ibv_modify_qp` with attributes from rdma_init_qp_attr (some fields
     /// possibly set to values the caller validated).
     fn modify(&mut self, attr: &mut ibv_qp_attr, mask: i32) -> Result<()> {
+        crate::verbs::fork::check("ibv_modify_qp")?;
         // SAFETY: the QP is valid while `self` lives and `attr` is a valid,
         // writable attribute struct for the call's duration; a transition
         // the QP cannot make is an error return, not undefined behaviour.
@@ -1333,6 +1346,7 @@ impl RcQueuePair {
 
     /// Posts `n` zero-length receive WRs (RDMA WRITE WITH IMM needs one each).
     pub(crate) fn post_recvs(&mut self, n: u32) -> Result<()> {
+        crate::verbs::fork::check("ibv_post_recv")?;
         if n == 0 {
             return Ok(());
         }
@@ -1355,6 +1369,7 @@ impl RcQueuePair {
     /// its lkey on this QP's PD that stays allocated and untouched by the
     /// program until the receive completes (or is flushed).
     pub(crate) unsafe fn post_recv_sges(&mut self, wrs: &[(u64, Sge)]) -> Result<()> {
+        crate::verbs::fork::check("ibv_post_recv")?;
         if wrs.is_empty() {
             return Ok(());
         }
@@ -1380,6 +1395,7 @@ impl RcQueuePair {
     /// that stays allocated until its WR completes (or is flushed), and that
     /// the program does not touch while a READ writes it.
     pub(crate) unsafe fn post_send_batch(&mut self, wrs: &[SendWr<'_>]) -> Result<()> {
+        crate::verbs::fork::check("ibv_post_send")?;
         if wrs.is_empty() {
             return Ok(());
         }
@@ -1531,6 +1547,9 @@ impl AsMut<RcQueuePair> for RcQueuePair {
 
 impl Drop for RcQueuePair {
     fn drop(&mut self) {
+        if crate::verbs::fork::inherited() {
+            return; // the parent's QP: leaked (its CQ and PD are `ParentOnly`)
+        }
         // Only once the QP is destroyed (no completion of it can come any
         // more) is a shared CQ polled a last time and the route removed.
         let qp = &mut self.qp;
