@@ -3,7 +3,9 @@
 //! operations that the peer's CPU takes no part in.
 //!
 //! - A [`LocalRegion`] is memory a peer may reach: a [`PoolBuf`] of the
-//!   endpoint's pool, shared with the NIC from then on (read and written
+//!   endpoint's pool, or memory of the caller's registered with
+//!   [`MemoryPool::register_local`](crate::MemoryPool::register_local)
+//!   (a `Vec`, a file or huge-page mapping), shared with the NIC from then on (read and written
 //!   here only by copies, [`LocalRegion::read_at`]/[`LocalRegion::write_at`],
 //!   since the peer's NIC may write it at any time).
 //! - [`MessageEndpoint::grant`](crate::MessageEndpoint::grant) binds a
@@ -24,7 +26,11 @@
 //!   ([`recv_incoming`](crate::MessageEndpoint::recv_incoming));
 //!   [`transfer`](crate::MessageEndpoint::transfer) posts up to
 //!   [`MAX_TRANSFER_BATCH`] READs and WRITEs ([`Transfer`]) with one
-//!   doorbell and one signaled completion.
+//!   doorbell and one signaled completion;
+//!   [`read_to`](crate::MessageEndpoint::read_to) and
+//!   [`write_from`](crate::MessageEndpoint::write_from) (and
+//!   [`Transfer::ReadTo`]/[`Transfer::WriteFrom`]) read into and write from
+//!   a [`LocalRegion`] of its own in place, without a copy.
 //!
 //! # What a peer can and cannot do
 //!
@@ -260,6 +266,23 @@ impl LocalRegion {
         }
     }
 
+    /// The local key of its registration (valid on the PD of the pool it
+    /// is [`usable_with`](Self::usable_with)).
+    pub(crate) fn lkey(&self) -> u32 {
+        match &self.inner.memory {
+            Memory::Pool(buf) => buf.lkey(),
+            Memory::User(m) => m.lkey(),
+        }
+    }
+
+    /// `InvalidInput` unless `len` bytes at `at` lie inside the region.
+    pub(crate) fn check_range(&self, op: &str, at: usize, len: usize) -> io::Result<()> {
+        if at.checked_add(len).is_none_or(|e| e > self.len()) {
+            return Err(out_of_range(op, at, len, self.len()));
+        }
+        Ok(())
+    }
+
     pub(crate) fn raw_mr(&self) -> usize {
         match &self.inner.memory {
             Memory::Pool(buf) => buf.raw_mr(),
@@ -376,6 +399,36 @@ pub enum Transfer<'a> {
         offset: u64,
         /// The bytes to write (copied into pool memory first).
         data: &'a [u8],
+    },
+    /// RDMA READ of `len` bytes at `offset` of `remote` (READ access)
+    /// straight into `len` bytes at `at` of `dst`, zero-copy (see
+    /// [`MessageEndpoint::read_to`](crate::MessageEndpoint::read_to)).
+    ReadTo {
+        /// The peer's grant.
+        remote: &'a RemoteRegion,
+        /// Offset in the grant, bytes.
+        offset: u64,
+        /// The local region the bytes land in.
+        dst: &'a LocalRegion,
+        /// Offset in `dst`, bytes.
+        at: usize,
+        /// Bytes to read.
+        len: usize,
+    },
+    /// RDMA WRITE of `len` bytes at `at` of `src`, zero-copy, at `offset`
+    /// of `remote` (WRITE access) (see
+    /// [`MessageEndpoint::write_from`](crate::MessageEndpoint::write_from)).
+    WriteFrom {
+        /// The peer's grant.
+        remote: &'a RemoteRegion,
+        /// Offset in the grant, bytes.
+        offset: u64,
+        /// The local region the bytes come from.
+        src: &'a LocalRegion,
+        /// Offset in `src`, bytes.
+        at: usize,
+        /// Bytes to write.
+        len: usize,
     },
 }
 

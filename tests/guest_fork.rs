@@ -16,9 +16,8 @@
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio_rdma::pool::PoolConfig;
 use tokio_rdma::remote::{GrantAccess, LocalRegion};
-use tokio_rdma::{Error, MemoryPool, MessageConfig, RdmaListener, RdmaStream};
+use tokio_rdma::{Error, MessageConfig, RdmaListener, RdmaStream};
 
 mod common;
 
@@ -256,7 +255,7 @@ async fn a_forked_child_is_refused_inherited_endpoints_and_its_drops_leave_the_p
         .await
         .expect("grant");
     let remote = grant.remote();
-    let pool = MemoryPool::for_device(owner.device(), PoolConfig::default()).expect("a pool");
+    let pool = owner.pool().clone();
     let mine = pool
         .register_local(shared::pattern_vec(5, 64 * 1024))
         .expect("register");

@@ -846,3 +846,137 @@ async fn registered_user_memory_is_granted_and_given_back_with_the_peers_writes(
         assert_eq!(got[..], [9u8; 100]);
     }
 }
+
+/// `read_to`, `write_from` and their batched forms move bytes in place
+/// of a registered region (no pool buffer): exact bytes at unaligned
+/// offsets, nothing around them touched; a range past the region is
+/// refused before posting; a `read_to` dropped in flight keeps the region
+/// (and its memory) until the NIC is done, then gives it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_to_and_write_from_move_bytes_in_place_of_a_registered_region() {
+    let (client, server) = pair().await;
+    let size = 4 * MIB + 7;
+    let reg = region(&server, size, 31).await;
+    let grant = server
+        .grant(&reg, 0..size, GrantAccess::READ | GrantAccess::WRITE)
+        .await
+        .expect("grant");
+    let remote = grant.remote();
+    // What the granted region holds, kept up to date with the WRITEs.
+    let mut theirs = shared::pattern_vec(31, reg.len());
+    let mine = client
+        .pool()
+        .register_local(vec![0u8; 8 * MIB])
+        .expect("register");
+
+    let len = 2 * MIB + 1;
+    client
+        .read_to(&remote, 3, &mine, 5, len)
+        .await
+        .expect("read_to");
+    let mut got = vec![0u8; len + 10];
+    mine.read_at(0, &mut got).unwrap();
+    assert_eq!(got[..5], [0u8; 5], "nothing before the range");
+    assert!(got[5..5 + len] == theirs[3..3 + len], "the READ in place");
+    assert_eq!(got[5 + len..], [0u8; 5], "nothing after it");
+
+    let data = shared::pattern_vec(32, MIB + 3);
+    mine.write_at(4 * MIB, &data).unwrap();
+    client
+        .write_from(&remote, 11, &mine, 4 * MIB, data.len())
+        .await
+        .expect("write_from");
+    let mut back = vec![0u8; data.len() + 1];
+    reg.read_at(11, &mut back).unwrap();
+    assert!(back[..data.len()] == data, "the WRITE from the region");
+    assert_eq!(back[data.len()], theirs[11 + data.len()]);
+    theirs[11..11 + data.len()].copy_from_slice(&data);
+
+    // A batch: 8 READs in place, 7 WRITEs from the region, 1 READ into a
+    // pool buffer.
+    let mut ops = Vec::new();
+    for i in 0..8usize {
+        ops.push(Transfer::ReadTo {
+            remote: &remote,
+            offset: (i * 4096 + i) as u64,
+            dst: &mine,
+            at: 6 * MIB + i * 8192,
+            len: 4096 + i,
+        });
+    }
+    for i in 0..7usize {
+        ops.push(Transfer::WriteFrom {
+            remote: &remote,
+            offset: (3 * MIB + i * 4096) as u64,
+            src: &mine,
+            at: 4 * MIB + i * 100,
+            len: 4000,
+        });
+    }
+    ops.push(Transfer::Read {
+        remote: &remote,
+        offset: 1,
+        len: 77,
+    });
+    let read = client.transfer(&ops).await.expect("transfer");
+    assert_eq!(read.len(), 1, "only the pool READ returns bytes");
+    assert!(read[0][..] == theirs[1..78]);
+    for i in 0..8usize {
+        let mut got = vec![0u8; 4096 + i];
+        mine.read_at(6 * MIB + i * 8192, &mut got).unwrap();
+        assert!(
+            got[..] == theirs[i * 4096 + i..i * 4096 + i + 4096 + i],
+            "ReadTo {i}"
+        );
+    }
+    for i in 0..7usize {
+        let mut got = vec![0u8; 4000];
+        reg.read_at(3 * MIB + i * 4096, &mut got).unwrap();
+        assert!(got[..] == data[i * 100..i * 100 + 4000], "WriteFrom {i}");
+    }
+
+    // Refused before posting: past the region's end (alone and in a batch).
+    let e = client
+        .read_to(&remote, 0, &mine, 8 * MIB - 3, 4)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+    let e = client
+        .transfer(&[Transfer::WriteFrom {
+            remote: &remote,
+            offset: 0,
+            src: &mine,
+            at: usize::MAX,
+            len: 2,
+        }])
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+
+    // Dropped in flight: the endpoint keeps the region until the NIC is
+    // done, then it can be taken back; bytes outside the range untouched.
+    {
+        let read = client.read_to(&remote, 0, &mine, 0, 4 * MIB);
+        tokio::pin!(read);
+        let polled = futures::poll!(read.as_mut());
+        assert!(polled.is_pending(), "a 4 MiB READ is in flight");
+    }
+    let mut mine = mine;
+    let back: Vec<u8> = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match mine.try_into_memory() {
+                Ok(v) => break v,
+                Err(r) => {
+                    mine = r;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    })
+    .await
+    .expect("the region comes back once the READ completed");
+    assert!(back[4 * MIB..4 * MIB + data.len()] == data);
+    // The endpoint is unharmed.
+    assert!(client.read(&remote, 0, 64).await.unwrap()[..] == theirs[..64]);
+    grant.revoke().await.expect("revoke");
+}

@@ -33,7 +33,7 @@ use crate::remote::{GrantAccess, LocalRegion, Notification};
 use crate::verbs::ledger::PostedOp;
 use crate::verbs::rc::{Completion, RcQueuePair, WcStatus, Work};
 
-use super::qp::RemoteWr;
+use super::qp::{Local, RemoteWr};
 
 /// Messages fed through `Sink::start_send` are posted together once this
 /// many are queued (or at `poll_flush`).
@@ -1236,7 +1236,7 @@ impl MsgConn {
 
     /// Waits for a remote slot, then posts `wr` with `local`; returns the
     /// wr_id to [`wait_remote`](Self::wait_remote) on.
-    pub(crate) async fn start_remote(&self, wr: RemoteWr, local: PoolBuf) -> io::Result<u64> {
+    pub(crate) async fn start_remote(&self, wr: RemoteWr, local: Local) -> io::Result<u64> {
         // One unit of tokio's cooperative budget per operation: rxe can
         // complete a small READ inside its post, so a task looping over
         // operations that all complete at once never returned to the
@@ -1252,7 +1252,7 @@ impl MsgConn {
     /// on (its buffers come back in batch order).
     pub(crate) async fn start_remote_batch(
         &self,
-        batch: Vec<(RemoteWr, PoolBuf)>,
+        batch: Vec<(RemoteWr, Local)>,
     ) -> io::Result<u64> {
         tokio::task::coop::consume_budget().await;
         let need = u16::try_from(batch.len()).unwrap_or(u16::MAX);
@@ -1333,7 +1333,7 @@ pub(crate) struct RemoteWait<'a> {
 }
 
 impl std::future::Future for RemoteWait<'_> {
-    type Output = io::Result<Vec<PoolBuf>>;
+    type Output = io::Result<Vec<Local>>;
 
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();

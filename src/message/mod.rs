@@ -126,7 +126,7 @@ pub(crate) use conn::MsgState;
 #[cfg(tokio_rdma_guest)]
 #[doc(hidden)]
 pub use qp::PostedSge;
-use qp::{MessageQp, REMOTE_SLOTS, RemoteWr};
+use qp::{Local, MessageQp, REMOTE_SLOTS, RemoteWr};
 
 // A batch takes every remote slot at most.
 const _: () = assert!(MAX_TRANSFER_BATCH == REMOTE_SLOTS as usize);
@@ -919,12 +919,13 @@ impl MessageEndpoint {
             rkey: remote.rkey(),
             len: len32,
         };
-        let id = self.conn.start_remote(wr, buf).await?;
+        let id = self.conn.start_remote(wr, Local::Buf(buf)).await?;
         let mut buf = self
             .conn
             .wait_remote(id, "RDMA READ")
             .await?
             .pop()
+            .and_then(Local::into_buf)
             .ok_or_else(|| io::Error::from(Error::Internal("READ without its buffer".into())))?;
         buf.set_len(len);
         Ok(buf.freeze())
@@ -946,8 +947,108 @@ impl MessageEndpoint {
             rkey: remote.rkey(),
             len,
         };
-        let id = self.conn.start_remote(wr, buf).await?;
+        let id = self.conn.start_remote(wr, Local::Buf(buf)).await?;
         self.conn.wait_remote(id, "RDMA WRITE").await.map(drop)
+    }
+
+    /// Reads `len` bytes at `offset` of `remote` (a grant of the peer's)
+    /// with one RDMA READ straight into `len` bytes at `at` of `dst`
+    /// (zero-copy: no pool buffer); returns once they are in place.
+    /// `dst` is a region this endpoint may use: a buffer of its pool, or
+    /// memory registered with its pool or, on a device with memory
+    /// windows, another pool on the device
+    /// ([`MemoryPool::register_local`]).
+    ///
+    /// # Errors
+    /// As [`read`](Self::read), and `InvalidInput` (nothing posted) when
+    /// the range passes `dst`'s end or `dst` is not usable here.
+    /// Cancel-safe: dropping the future leaves `dst` (a clone) with the
+    /// endpoint until the NIC is done writing it; its bytes in that range
+    /// are unspecified until then.
+    pub async fn read_to(
+        &self,
+        remote: &RemoteRegion,
+        offset: u64,
+        dst: &LocalRegion,
+        at: usize,
+        len: usize,
+    ) -> io::Result<()> {
+        crate::verbs::fork::check_io("MessageEndpoint::read_to")?;
+        self.in_place(true, remote, offset, dst, at, len).await
+    }
+
+    /// Writes `len` bytes at `at` of `src` at `offset` of `remote` (a
+    /// grant of the peer's) with one RDMA WRITE straight from the region
+    /// (zero-copy); returns once the write completed. `src` as `dst` of
+    /// [`read_to`](Self::read_to).
+    ///
+    /// # Errors
+    /// As [`read_to`](Self::read_to), for WRITE access. Cancel-safe: the
+    /// region stays with the endpoint until the NIC is done reading it.
+    pub async fn write_from(
+        &self,
+        remote: &RemoteRegion,
+        offset: u64,
+        src: &LocalRegion,
+        at: usize,
+        len: usize,
+    ) -> io::Result<()> {
+        crate::verbs::fork::check_io("MessageEndpoint::write_from")?;
+        self.in_place(false, remote, offset, src, at, len).await
+    }
+
+    /// One RDMA READ (`read`) or WRITE between `len` bytes at `offset` of
+    /// `remote` and `len` bytes at `at` of `region`, checked, in place.
+    async fn in_place(
+        &self,
+        read: bool,
+        remote: &RemoteRegion,
+        offset: u64,
+        region: &LocalRegion,
+        at: usize,
+        len: usize,
+    ) -> io::Result<()> {
+        let (op, want) = if read {
+            ("RDMA READ", GrantAccess::READ)
+        } else {
+            ("RDMA WRITE", GrantAccess::WRITE)
+        };
+        let addr = remote.check(op, offset, len as u64, want)?;
+        let len = wr_len(op, len)?;
+        let local = self.region_range(op, region, at, len as usize)?;
+        let rkey = remote.rkey();
+        let wr = if read {
+            RemoteWr::Read { addr, rkey, len }
+        } else {
+            RemoteWr::Write { addr, rkey, len }
+        };
+        let id = self.conn.start_remote(wr, local).await?;
+        self.conn.wait_remote(id, op).await.map(drop)
+    }
+
+    /// `len` bytes at `at` of `region` as a one-sided WR's local memory
+    /// (at least one byte: a zero-length WR still names an SGE), checked.
+    fn region_range(
+        &self,
+        op: &str,
+        region: &LocalRegion,
+        at: usize,
+        len: usize,
+    ) -> io::Result<Local> {
+        region.check_range(op, at, len.max(1))?;
+        if !region.usable_with(&self.pool) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{op}: the local region is neither a buffer of this endpoint's pool nor memory registered on its protection domain"
+                ),
+            ));
+        }
+        Ok(Local::Region {
+            region: region.clone(),
+            at,
+            len: len.max(1),
+        })
     }
 
     /// Writes `data` at `offset` of `remote` (a grant of the peer's, with
@@ -1004,8 +1105,11 @@ impl MessageEndpoint {
     /// (RC completes in order: its completion says all are done; on
     /// iWARP every READ is signaled too), and returns once all completed:
     /// the bytes read, one buffer per [`Transfer::Read`], in `ops` order.
-    /// Each WRITE's data is copied into a pool buffer first. The pattern
-    /// of transfer engines and of perftest's `--post_list`.
+    /// A [`Transfer::Write`]'s data is copied into a pool buffer first;
+    /// [`Transfer::ReadTo`] and [`Transfer::WriteFrom`] read into and write
+    /// from a [`LocalRegion`] in place (zero-copy; nothing is returned for
+    /// them). The pattern of transfer engines and of perftest's
+    /// `--post_list`.
     ///
     /// # Errors
     /// `InvalidInput` (nothing posted) for more than
@@ -1029,63 +1133,89 @@ impl MessageEndpoint {
         if ops.is_empty() {
             return Ok(Vec::new());
         }
+        // Every operation is checked before anything is allocated or
+        // posted: a bad one refuses the whole batch.
         let mut wrs = Vec::with_capacity(ops.len());
         for op in ops {
-            let (name, remote, offset, len, want) = match *op {
+            let (remote, offset, len, read) = match *op {
                 Transfer::Read {
                     remote,
                     offset,
                     len,
-                } => ("RDMA READ", remote, offset, len, GrantAccess::READ),
+                } => (remote, offset, len, true),
                 Transfer::Write {
                     remote,
                     offset,
                     data,
-                } => ("RDMA WRITE", remote, offset, data.len(), GrantAccess::WRITE),
+                } => (remote, offset, data.len(), false),
+                Transfer::ReadTo {
+                    remote,
+                    offset,
+                    dst,
+                    at,
+                    len,
+                } => {
+                    self.region_range("RDMA READ", dst, at, len)?;
+                    (remote, offset, len, true)
+                }
+                Transfer::WriteFrom {
+                    remote,
+                    offset,
+                    src,
+                    at,
+                    len,
+                } => {
+                    self.region_range("RDMA WRITE", src, at, len)?;
+                    (remote, offset, len, false)
+                }
+            };
+            let (name, want) = if read {
+                ("RDMA READ", GrantAccess::READ)
+            } else {
+                ("RDMA WRITE", GrantAccess::WRITE)
             };
             let addr = remote.check(name, offset, len as u64, want)?;
-            let len32 = wr_len(name, len)?;
+            let len = wr_len(name, len)?;
             let rkey = remote.rkey();
-            wrs.push(match op {
-                Transfer::Read { .. } => RemoteWr::Read {
-                    addr,
-                    rkey,
-                    len: len32,
-                },
-                Transfer::Write { .. } => RemoteWr::Write {
-                    addr,
-                    rkey,
-                    len: len32,
-                },
+            wrs.push(if read {
+                RemoteWr::Read { addr, rkey, len }
+            } else {
+                RemoteWr::Write { addr, rkey, len }
             });
         }
         let mut batch = Vec::with_capacity(ops.len());
         for (op, wr) in ops.iter().zip(wrs) {
-            let buf = match *op {
-                Transfer::Read { len, .. } => self.pool.alloc_any(len.max(1)).await?,
-                Transfer::Write { data, .. } => self.copied(data).await?,
+            let local = match *op {
+                Transfer::Read { len, .. } => Local::Buf(self.pool.alloc_any(len.max(1)).await?),
+                Transfer::Write { data, .. } => Local::Buf(self.copied(data).await?),
+                Transfer::ReadTo { dst, at, len, .. } => {
+                    self.region_range("RDMA READ", dst, at, len)?
+                }
+                Transfer::WriteFrom { src, at, len, .. } => {
+                    self.region_range("RDMA WRITE", src, at, len)?
+                }
             };
-            batch.push((wr, buf));
+            batch.push((wr, local));
         }
         let id = self.conn.start_remote_batch(batch).await?;
-        let bufs = self.conn.wait_remote(id, "RDMA READ/WRITE batch").await?;
-        if bufs.len() != ops.len() {
+        let locals = self.conn.wait_remote(id, "RDMA READ/WRITE batch").await?;
+        if locals.len() != ops.len() {
             return Err(Error::Internal(format!(
                 "a batch of {} operations came back with {} buffers",
                 ops.len(),
-                bufs.len()
+                locals.len()
             ))
             .into());
         }
         Ok(ops
             .iter()
-            .zip(bufs)
-            .filter_map(|(op, mut buf)| match *op {
-                Transfer::Read { len, .. } => {
+            .zip(locals)
+            .filter_map(|(op, local)| match *op {
+                Transfer::Read { len, .. } => local.into_buf().map(|mut buf| {
                     buf.set_len(len);
-                    Some(buf.freeze())
-                }
-                Transfer::Write { .. } => None,
+                    buf.freeze()
+                }),
+                _ => None,
             })
             .collect())
     }
@@ -1145,11 +1275,14 @@ impl MessageEndpoint {
 
     async fn atomic(&self, wr: RemoteWr, op: &'static str) -> io::Result<u64> {
         let buf = self.pool.alloc_any(8).await?;
-        let id = self.conn.start_remote(wr, buf).await?;
-        let mut buf =
-            self.conn.wait_remote(id, op).await?.pop().ok_or_else(|| {
-                io::Error::from(Error::Internal("atomic without its buffer".into()))
-            })?;
+        let id = self.conn.start_remote(wr, Local::Buf(buf)).await?;
+        let mut buf = self
+            .conn
+            .wait_remote(id, op)
+            .await?
+            .pop()
+            .and_then(Local::into_buf)
+            .ok_or_else(|| io::Error::from(Error::Internal("atomic without its buffer".into())))?;
         buf.set_len(8);
         let mut word = [0u8; 8];
         word.copy_from_slice(&buf.as_slice()[..8]);

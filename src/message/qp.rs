@@ -157,7 +157,7 @@ struct RemoteOp {
     /// ledger under its own WR's wr_id until that WR's completion. A
     /// batch's WRs have consecutive wr_ids ending with the operation's,
     /// so buffer `i` of `n` is pinned under `wr_id - (n - 1 - i)`.
-    locals: Vec<PoolBuf>,
+    locals: Vec<Local>,
     /// Its future was dropped: nobody takes the result.
     abandoned: bool,
     /// Without memory windows, its RDMA READs' sink registrations over
@@ -171,7 +171,7 @@ struct RemoteOp {
 /// What a new [`RemoteOp`] starts with besides its kind.
 struct RemoteEntry {
     /// Its local buffers ([`RemoteOp::locals`]).
-    locals: Vec<PoolBuf>,
+    locals: Vec<Local>,
     /// Its READ sinks' registrations ([`RemoteOp::sinks`]).
     sinks: Vec<MemoryRegistration>,
     /// A status already known (a grant complete without a WR).
@@ -228,6 +228,59 @@ enum Held {
     Message(#[allow(dead_code)] OutgoingMessage),
     /// A rendezvous destination an RDMA READ writes.
     Dest(#[allow(dead_code)] PoolBuf),
+    /// The local memory of a one-sided WR.
+    Local(#[allow(dead_code)] Local),
+}
+
+/// The local memory of a one-sided WR (the READ's destination, the
+/// WRITE's source, the atomic's 8-byte result): a pool buffer, handed back
+/// to the caller, or `len` bytes at `at` of a region registered on this
+/// QP's PD, read or written in place (zero-copy). Held by the operation,
+/// then by the ledger, until the WR's completion.
+pub(crate) enum Local {
+    /// A pool buffer of the endpoint's.
+    Buf(PoolBuf),
+    /// A byte range of a region (the caller checked it lies inside and
+    /// that the region's keys are valid on this QP's PD).
+    Region {
+        /// The region, kept alive with its registration.
+        region: LocalRegion,
+        /// Offset of the range in the region, bytes.
+        at: usize,
+        /// Length of the range, bytes.
+        len: usize,
+    },
+}
+
+impl Local {
+    fn addr(&self) -> u64 {
+        match self {
+            Local::Buf(b) => b.addr(),
+            Local::Region { region, at, .. } => region.addr() + *at as u64,
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        match self {
+            Local::Buf(b) => b.capacity(),
+            Local::Region { len, .. } => *len,
+        }
+    }
+
+    fn lkey(&self) -> u32 {
+        match self {
+            Local::Buf(b) => b.lkey(),
+            Local::Region { region, .. } => region.lkey(),
+        }
+    }
+
+    /// The pool buffer, for the operations that return one.
+    pub(crate) fn into_buf(self) -> Option<PoolBuf> {
+        match self {
+            Local::Buf(b) => Some(b),
+            Local::Region { .. } => None,
+        }
+    }
 }
 
 fn internal(msg: String) -> Error {
@@ -1152,7 +1205,7 @@ impl MessageQp {
     /// READ's destination, the WRITE's source, the atomic's 8-byte
     /// result), checked against its capacity and, for an atomic, the
     /// device.
-    fn remote_need(&self, wr: RemoteWr, local: &PoolBuf) -> Result<usize> {
+    fn remote_need(&self, wr: RemoteWr, local: &Local) -> Result<usize> {
         let need = match wr {
             RemoteWr::Read { len, .. } | RemoteWr::Write { len, .. } => len as usize,
             RemoteWr::CompareSwap { .. } | RemoteWr::FetchAdd { .. } => {
@@ -1181,7 +1234,7 @@ impl MessageQp {
     unsafe fn remote_sge(
         &mut self,
         wr: RemoteWr,
-        local: &PoolBuf,
+        local: &Local,
         need: usize,
     ) -> Result<(Sge, Option<MemoryRegistration>)> {
         let sink = match wr {
@@ -1211,7 +1264,7 @@ impl MessageQp {
     /// [`Error::NoAtomics`] for an atomic on a device without them;
     /// [`Error::Verbs`] if the post fails (nothing was posted: a single
     /// WR is taken whole or not at all, and `local` is freed).
-    pub(crate) fn post_remote(&mut self, wr: RemoteWr, local: PoolBuf) -> Result<u64> {
+    pub(crate) fn post_remote(&mut self, wr: RemoteWr, local: Local) -> Result<u64> {
         let need = self.remote_need(wr, &local)?;
         // SAFETY: `local` goes into this operation's entry with the sink.
         let (sge, sink) = unsafe { self.remote_sge(wr, &local, need) }?;
@@ -1257,7 +1310,7 @@ impl MessageQp {
     /// an empty batch. A post that fails part way leaves the WRs the NIC
     /// may have taken, and their buffers, with the ledger until their
     /// completion or flush.
-    pub(crate) fn post_remote_batch(&mut self, batch: Vec<(RemoteWr, PoolBuf)>) -> Result<u64> {
+    pub(crate) fn post_remote_batch(&mut self, batch: Vec<(RemoteWr, Local)>) -> Result<u64> {
         if batch.is_empty() {
             return Err(internal("an empty batch of remote operations".into()));
         }
@@ -1330,7 +1383,7 @@ impl MessageQp {
         &mut self,
         wr_id: u64,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<(WcStatus, Vec<PoolBuf>)>> {
+    ) -> Poll<Option<(WcStatus, Vec<Local>)>> {
         let Some(op) = self.remote.get_mut(&wr_id) else {
             return Poll::Ready(None);
         };
@@ -1359,8 +1412,8 @@ impl MessageQp {
         op.waker = None;
         let locals = std::mem::take(&mut op.locals);
         let first = wr_id - (locals.len() as u64).saturating_sub(1);
-        for (key, buf) in (first..).zip(locals) {
-            drop(self.ledger.release(key, Held::Dest(buf)));
+        for (key, local) in (first..).zip(locals) {
+            drop(self.ledger.release(key, Held::Local(local)));
         }
     }
 

@@ -266,6 +266,10 @@ impl UserMemory {
         self.reg.raw_mr()
     }
 
+    pub(crate) fn lkey(&self) -> u32 {
+        self.reg.lkey()
+    }
+
     /// Whether `pool` may bind windows on this memory: the pool it was
     /// registered with, or a pool on the same device's shared PD.
     pub(crate) fn usable_with(&self, pool: &MemoryPool) -> bool {
