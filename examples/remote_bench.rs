@@ -15,7 +15,10 @@
 //! perftest's 64 KiB runs of the same count. Batched: the same bytes in
 //! 4 KiB WRITEs posted 16 per doorbell (`MessageEndpoint::transfer`)
 //! against `ib_write_bw -s 4096 -t 16 --post_list 16` (16 in flight
-//! both). CPU: the client process's
+//! both). Each is measured twice: from and into pool buffers (`read`,
+//! `write`: a WRITE's bytes are copied in first), and "in place", from and
+//! into a region registered once (`read_to`, `write_from`,
+//! `Transfer::WriteFrom`: zero-copy, as perftest). CPU: the client process's
 //! CPU time per operation (10 ms ticks of /proc/self/stat); the server's
 //! CPU time while serving is printed by the server.
 
@@ -144,7 +147,13 @@ struct Figures {
     fadd_lat: Lat,
     read_bw: Bw,
     write_bw: Bw,
+    /// READs into a registered region in place (`read_to`).
+    read_to_bw: Bw,
+    /// WRITEs from a registered region in place (`write_from`).
+    write_from_bw: Bw,
     batch_bw: Bw,
+    /// The batch from a registered region (`Transfer::WriteFrom`).
+    batch_from_bw: Bw,
 }
 
 async fn measure(
@@ -179,8 +188,14 @@ async fn measure(
     let fadd_lat = lat_of(&h, cpu::cpu_us() - cpu0, iters);
     let ops = (bytes as usize).div_ceil(OP);
     let data = pattern::pattern_vec(2, OP);
+    // The in-place runs' local memory: one 64 KiB slot per operation in
+    // flight, registered once (zero-copy: no pool buffer, no copy).
+    let local = ep
+        .pool()
+        .register_local(pattern::pattern_vec(2, IN_FLIGHT * OP))
+        .map_err(|e| e.to_string())?;
     let mut bws = Vec::new();
-    for write in [false, true] {
+    for (write, in_place) in [(false, false), (true, false), (false, true), (true, true)] {
         let cpu0 = cpu::cpu_us();
         let t0 = Instant::now();
         let mut inflight = FuturesUnordered::new();
@@ -188,13 +203,18 @@ async fn measure(
         let mut done = 0usize;
         while done < ops {
             while next < ops && inflight.len() < IN_FLIGHT {
-                let off = ((next % IN_FLIGHT) * OP) as u64;
-                let data = &data;
+                let slot = (next % IN_FLIGHT) * OP;
+                let off = slot as u64;
+                let (data, local) = (&data, &local);
                 inflight.push(async move {
-                    if write {
-                        ep.write(remote, off, data).await.map(|_| OP)
-                    } else {
-                        ep.read(remote, off, OP).await.map(|b| b.len())
+                    match (write, in_place) {
+                        (true, false) => ep.write(remote, off, data).await.map(|_| OP),
+                        (false, false) => ep.read(remote, off, OP).await.map(|b| b.len()),
+                        (true, true) => ep
+                            .write_from(remote, off, local, slot, OP)
+                            .await
+                            .map(|_| OP),
+                        (false, true) => ep.read_to(remote, off, local, slot, OP).await.map(|_| OP),
                     }
                 });
                 next += 1;
@@ -211,8 +231,10 @@ async fn measure(
             cpu_us: (cpu::cpu_us() - cpu0) as f64 / ops as f64,
         });
     }
-    let write_bw = bws.pop().expect("two runs");
-    let read_bw = bws.pop().expect("two runs");
+    let mut bws = bws.into_iter();
+    let mut next_bw = || bws.next().expect("four runs");
+    let (read_bw, write_bw, read_to_bw, write_from_bw) =
+        (next_bw(), next_bw(), next_bw(), next_bw());
     // 4 KiB WRITEs, MAX_TRANSFER_BATCH per doorbell, one batch at a time
     // (a batch takes every remote slot).
     let small = pattern::pattern_vec(3, SMALL);
@@ -223,24 +245,41 @@ async fn measure(
             data: &small,
         })
         .collect();
+    let batch_from: Vec<Transfer<'_>> = (0..MAX_TRANSFER_BATCH)
+        .map(|k| Transfer::WriteFrom {
+            remote,
+            offset: (k * SMALL) as u64,
+            src: &local,
+            at: k * SMALL,
+            len: SMALL,
+        })
+        .collect();
     let batches = (bytes as usize).div_ceil(SMALL * MAX_TRANSFER_BATCH);
-    let cpu0 = cpu::cpu_us();
-    let t0 = Instant::now();
-    for _ in 0..batches {
-        ep.transfer(&batch).await.map_err(e)?;
+    let mut batch_bws = Vec::new();
+    for ops_of_batch in [&batch, &batch_from] {
+        let cpu0 = cpu::cpu_us();
+        let t0 = Instant::now();
+        for _ in 0..batches {
+            ep.transfer(ops_of_batch).await.map_err(e)?;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let ops = batches * MAX_TRANSFER_BATCH;
+        batch_bws.push(Bw {
+            mb_s: (ops * SMALL) as f64 / secs / 1e6,
+            cpu_us: (cpu::cpu_us() - cpu0) as f64 / ops as f64,
+        });
     }
-    let secs = t0.elapsed().as_secs_f64();
-    let ops = batches * MAX_TRANSFER_BATCH;
-    let batch_bw = Bw {
-        mb_s: (ops * SMALL) as f64 / secs / 1e6,
-        cpu_us: (cpu::cpu_us() - cpu0) as f64 / ops as f64,
-    };
+    let batch_from_bw = batch_bws.pop().expect("two runs");
+    let batch_bw = batch_bws.pop().expect("two runs");
     Ok(Figures {
         read_lat,
         fadd_lat,
         read_bw,
         write_bw,
+        read_to_bw,
+        write_from_bw,
         batch_bw,
+        batch_from_bw,
     })
 }
 
@@ -471,8 +510,11 @@ fn main() -> ExitCode {
         };
         for (name, b, reference) in [
             ("READ 64 KiB", &f.read_bw, read_bw),
+            ("  in place", &f.read_to_bw, read_bw),
             ("WRITE 64 KiB", &f.write_bw, write_bw),
+            ("  in place", &f.write_from_bw, write_bw),
             ("WRITE 4 KiB x16", &f.batch_bw, batch_bw),
+            ("  in place", &f.batch_from_bw, batch_bw),
         ] {
             println!(
                 "  {name:<20} {rt:<14} {:>7.1} {:>10.1} {:>7}",

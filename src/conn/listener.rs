@@ -34,6 +34,18 @@ const KERNEL_LISTEN_BACKLOG: i32 = 1024;
 /// An established connection waiting for `accept`, with its backlog slot.
 type Queued<T> = io::Result<(T, SocketAddr, Option<OwnedSemaphorePermit>)>;
 
+/// `rdma_bind_addr`'s error for `addr`: no interface has the address
+/// (`EADDRNOTAVAIL`: never had it, or it was removed while the process
+/// runs) is [`Error::NoDeviceForAddress`], naming it; others unchanged.
+fn bind_error(e: Error, addr: SocketAddr) -> Error {
+    match &e {
+        Error::Verbs { source, .. } if source.raw_os_error() == Some(libc::EADDRNOTAVAIL) => {
+            Error::NoDeviceForAddress { addr: addr.ip() }
+        }
+        _ => e,
+    }
+}
+
 impl<S: Setup> Listener<S> {
     /// Binds to the first address `addr` resolves to that works.
     pub(crate) async fn bind<A: ToSocketAddrs>(addr: A, setup: S) -> io::Result<Listener<S>> {
@@ -54,7 +66,7 @@ impl<S: Setup> Listener<S> {
         let cfg = setup.rdma();
         let channel = EventChannel::new()?;
         let id = CmId::new(&channel)?;
-        id.bind(addr)?;
+        id.bind(addr).map_err(|e| bind_error(e, addr))?;
         // The kernel's queue of connect requests not yet read from the
         // event channel is sized for bursts (rdma_ucm's own cap, its
         // `max_backlog`, is 1024): a request dropped there would be refused

@@ -73,7 +73,10 @@ impl RdmaListener {
     ///
     /// # Errors
     /// `NotFound` (`Error::NoDevice`) without an RDMA device,
-    /// `AddrInUse`/`AddrNotAvailable` from `rdma_bind_addr`.
+    /// `AddrInUse` from `rdma_bind_addr`, `AddrNotAvailable`
+    /// ([`Error::NoDeviceForAddress`](crate::Error::NoDeviceForAddress),
+    /// naming it) for an address no interface has (or no longer has) or a
+    /// loopback address.
     pub async fn bind<A: ToSocketAddrs>(addr: A) -> io::Result<RdmaListener> {
         Self::bind_with(addr, &RdmaConfig::default()).await
     }
