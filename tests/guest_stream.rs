@@ -1693,3 +1693,115 @@ async fn a_killed_peer_after_growth_wakes_both_sides_and_frees_the_grown_rings()
         "every window freed, the grown rings' too"
     );
 }
+
+/// Rounds of [`two_processes_connect_to_each_other_at_the_same_moment`].
+const MUTUAL_ROUNDS: usize = 40;
+
+/// One side's round of mutual connects: connects to `peer` while
+/// accepting one connection on `own`; on the connection it made it writes
+/// `[side, round]` and reads the peer's echo of it; on the one it accepted
+/// it echoes what arrives. Both in one `join!`, so neither waits on the
+/// other's order.
+async fn mutual_round(own: &RdmaListener, peer: SocketAddr, side: u8, round: u8) {
+    let outgoing = async {
+        let mut c = RdmaStream::connect(peer)
+            .await
+            .expect("connect to the peer");
+        c.write_all(&[side, round]).await.expect("write");
+        let mut back = [0u8; 2];
+        c.read_exact(&mut back).await.expect("read the echo");
+        assert_eq!(back, [side, round], "round {round}");
+    };
+    let incoming = async {
+        let (mut s, _) = own.accept().await.expect("accept the peer");
+        let mut got = [0u8; 2];
+        s.read_exact(&mut got).await.expect("read");
+        assert_eq!(got, [1 - side, round], "round {round}");
+        s.write_all(&got).await.expect("echo");
+        s.flush().await.expect("flush");
+        // Wait for the peer to close, so the echo is read before the drop.
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest).await;
+    };
+    tokio::join!(outgoing, incoming);
+}
+
+/// The peer process of the test below (run by it, never on its own: it
+/// reads its instructions from stdin).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the peer process of two_processes_connect_to_each_other_at_the_same_moment"]
+async fn mutual_connect_peer() {
+    use tokio::io::AsyncBufReadExt;
+    let own = bind(&RdmaConfig::default()).await;
+    println!("port {}", own.local_addr().unwrap().port());
+    let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    let peer: SocketAddr = lines
+        .next_line()
+        .await
+        .unwrap()
+        .expect("the peer's address")
+        .parse()
+        .unwrap();
+    for round in 0..MUTUAL_ROUNDS as u8 {
+        assert_eq!(lines.next_line().await.unwrap().as_deref(), Some("go"));
+        mutual_round(&own, peer, 1, round).await;
+        println!("done {round}");
+    }
+}
+
+/// Two processes, each with a listener, connect to each other at the same
+/// moment (both told to go through a pipe), 40 times: every round both
+/// connections come up, each carries its bytes exactly, nothing hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_connect_to_each_other_at_the_same_moment() {
+    use tokio::io::AsyncBufReadExt;
+    let own = bind(&RdmaConfig::default()).await;
+    let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "mutual_connect_peer", "--ignored", "--nocapture"])
+        .args(["--test-threads", "1"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn the peer process");
+    let mut to_peer = child.stdin.take().unwrap();
+    let mut from_peer = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let port = loop {
+        let line = from_peer
+            .next_line()
+            .await
+            .unwrap()
+            .expect("the peer's port");
+        if let Some(p) = line.strip_prefix("port ") {
+            break p.parse::<u16>().unwrap();
+        }
+    };
+    let peer = SocketAddr::new(IP.parse().unwrap(), port);
+    to_peer
+        .write_all(format!("{}\n", own.local_addr().unwrap()).as_bytes())
+        .await
+        .unwrap();
+    for round in 0..MUTUAL_ROUNDS as u8 {
+        to_peer.write_all(b"go\n").await.unwrap();
+        to_peer.flush().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(30), mutual_round(&own, peer, 0, round))
+            .await
+            .unwrap_or_else(|_| panic!("round {round} hung"));
+        loop {
+            let line = from_peer
+                .next_line()
+                .await
+                .unwrap()
+                .expect("the peer's report");
+            if line == format!("done {round}") {
+                break;
+            }
+        }
+    }
+    drop(to_peer);
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .expect("the peer exits")
+        .unwrap();
+    assert!(status.success(), "the peer process: {status}");
+}
