@@ -724,17 +724,20 @@ impl Conn {
         Poll::Ready(Ok(n))
     }
 
-    /// Ready once every accepted byte has been posted to the NIC.
+    /// Ready once every accepted byte has been posted to the NIC: `Ok`
+    /// then even if the connection failed since (the peer may have read
+    /// them and gone), as `TcpStream`'s flush is `Ok` once its bytes are
+    /// the kernel's; the failure is for the next read or write.
     pub(crate) fn poll_flush(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if let Err(e) = crate::verbs::fork::check_io("RdmaStream::poll_flush") {
             return Poll::Ready(Err(e));
         }
         let mut st = self.lock();
-        if let Some(e) = st.err_io() {
-            return Poll::Ready(Err(e));
-        }
         if st.core.unposted_len() == 0 {
             return Poll::Ready(Ok(()));
+        }
+        if let Some(e) = st.err_io() {
+            return Poll::Ready(Err(e));
         }
         if st.peer_gone {
             return Poll::Ready(Err(Error::PeerClosed.into()));
