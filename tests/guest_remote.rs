@@ -96,6 +96,12 @@ async fn reads_and_writes_move_exact_bytes_at_unaligned_offsets() {
             got[..] == whole[3 + offset..3 + offset + len],
             "READ of {len} at {offset}"
         );
+        let mut into = vec![0u8; len];
+        client
+            .read_into(&remote, offset as u64, &mut into)
+            .await
+            .expect("read_into");
+        assert!(into == got[..], "read_into of {len} at {offset}");
     }
     for (offset, len, seed) in [
         (0usize, 1usize, 10u64),

@@ -931,6 +931,25 @@ impl MessageEndpoint {
         Ok(buf.freeze())
     }
 
+    /// Reads `dst.len()` bytes at `offset` of `remote` into `dst`: one
+    /// RDMA READ into a pool buffer, then a copy ([`read_to`](Self::read_to)
+    /// reads in place, without the copy, into a registered region).
+    ///
+    /// # Errors
+    /// As [`read`](Self::read). Cancel-safe: dropping the future leaves
+    /// `dst` as it was and the pool buffer with the endpoint until the NIC
+    /// is done with it.
+    pub async fn read_into(
+        &self,
+        remote: &RemoteRegion,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> io::Result<()> {
+        let bytes = self.read(remote, offset, dst.len()).await?;
+        dst.copy_from_slice(&bytes);
+        Ok(())
+    }
+
     /// Writes `data` at `offset` of `remote` (a grant of the peer's) with
     /// one RDMA WRITE, from a pool buffer it is copied into; returns once
     /// the write completed (the peer's NIC acknowledged it).
