@@ -986,3 +986,104 @@ async fn read_to_and_write_from_move_bytes_in_place_of_a_registered_region() {
     assert!(client.read(&remote, 0, 64).await.unwrap()[..] == theirs[..64]);
     grant.revoke().await.expect("revoke");
 }
+
+/// A batch dropped in flight (16 operations: 1 MiB READs into pool
+/// buffers, READs in place and WRITEs from a registered region): every
+/// buffer stays with the endpoint's ledger until its WR completed, so
+/// pool buffers allocated at once and filled with a pattern keep it, and
+/// the region comes back only once the NIC is done; afterwards nothing is
+/// held for the NIC and the endpoint moves exact bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_dropped_in_flight_keeps_every_buffer_until_its_completion() {
+    let (client, server) = pair().await;
+    let size = 16 * MIB;
+    let reg = region(&server, size, 41).await;
+    let grant = server
+        .grant(&reg, 0..size, GrantAccess::READ | GrantAccess::WRITE)
+        .await
+        .unwrap();
+    let remote = grant.remote();
+    let mine = client
+        .pool()
+        .register_local(shared::pattern_vec(42, 8 * MIB))
+        .unwrap();
+    let ops: Vec<Transfer<'_>> = (0..MAX_TRANSFER_BATCH)
+        .map(|k| match k % 3 {
+            0 => Transfer::Read {
+                remote: &remote,
+                offset: (k * MIB) as u64,
+                len: MIB,
+            },
+            1 => Transfer::ReadTo {
+                remote: &remote,
+                offset: (k * MIB) as u64,
+                dst: &mine,
+                at: (k / 3) * MIB,
+                len: MIB,
+            },
+            _ => Transfer::WriteFrom {
+                remote: &remote,
+                offset: (k * MIB) as u64,
+                src: &mine,
+                at: 6 * MIB,
+                len: MIB,
+            },
+        })
+        .collect();
+    let pool = client.pool().clone();
+    for round in 0..3 {
+        {
+            let batch = client.transfer(&ops);
+            tokio::pin!(batch);
+            assert!(
+                futures::poll!(batch.as_mut()).is_pending(),
+                "round {round}: 16 MiB in flight"
+            );
+        }
+        let held = client.stats().buffers_held_for_nic;
+        assert!(
+            held > 0,
+            "round {round}: the ledger holds the batch's buffers"
+        );
+        let mut bufs = Vec::new();
+        for _ in 0..8 {
+            let mut b = pool.alloc_any(MIB).await.unwrap();
+            b.spare_mut()[..MIB].fill(0xA5);
+            b.set_len(MIB);
+            bufs.push(b);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(
+                b.iter().all(|&x| x == 0xA5),
+                "round {round}: buffer {i} unchanged after the dropped batch"
+            );
+        }
+    }
+    let mut mine = mine;
+    let back: Vec<u8> = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match mine.try_into_memory() {
+                Ok(v) => break v,
+                Err(r) => {
+                    mine = r;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    })
+    .await
+    .expect("the region comes back once its WRs completed");
+    // What the READs in place left: the granted bytes they read.
+    let theirs = shared::pattern_vec(41, reg.len());
+    for k in (1..MAX_TRANSFER_BATCH).step_by(3) {
+        let at = (k / 3) * MIB;
+        assert!(
+            back[at..at + MIB] == theirs[k * MIB..(k + 1) * MIB],
+            "ReadTo {k}"
+        );
+    }
+    assert_eq!(client.stats().buffers_held_for_nic, 0);
+    let got = client.read(&remote, 0, 64).await.unwrap();
+    assert!(got[..] == theirs[..64]);
+}
