@@ -75,7 +75,10 @@ pub enum Error {
     },
 
     /// RDMA devices exist, but none of them has a port with a GID that maps
-    /// the given local IP address. Maps to [`io::ErrorKind::AddrNotAvailable`].
+    /// the given local IP address; also a listener's bind to an address no
+    /// interface has (or no longer has), to the address of an interface
+    /// without an RDMA device, or to a loopback address. Maps to
+    /// [`io::ErrorKind::AddrNotAvailable`].
     #[error("no RDMA device has a GID for local address {addr}")]
     NoDeviceForAddress {
         /// The local IP address that was looked up.

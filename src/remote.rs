@@ -348,8 +348,8 @@ impl LocalRegion {
     /// # Errors
     /// `InvalidInput` when the word passes the region's end or its address
     /// ([`addr`](Self::addr) + `offset`) is not a multiple of 8 (pool
-    /// buffers are page-aligned; registered memory is as aligned as its
-    /// allocation).
+    /// buffers are aligned to their class size or 4 KiB, whichever is
+    /// smaller; registered memory is as aligned as its allocation).
     pub fn load_u64(&self, offset: usize) -> io::Result<u64> {
         let len = self.len();
         let aligned = (self.addr() as usize).wrapping_add(offset) % 8 == 0;
@@ -362,10 +362,12 @@ impl LocalRegion {
                 ),
             ));
         }
-        // SAFETY: the word lies inside the region (checked above), which
-        // lives as long as `self`, and its address is 8-byte aligned
-        // (checked above). It is only ever accessed atomically or by the
-        // NIC's atomics.
+        let _g = self.inner.copies.read().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the word lies inside the region and its address is
+        // 8-byte aligned (both checked above); the region's memory lives as
+        // long as `self`. This process's only non-atomic writer,
+        // `write_at`, holds the write lock, which the read lock above
+        // excludes; the NIC's writes and atomics are outside the program.
         let word = unsafe { &*(self.ptr().add(offset) as *const std::sync::atomic::AtomicU64) };
         Ok(word.load(std::sync::atomic::Ordering::Acquire))
     }

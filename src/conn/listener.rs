@@ -36,10 +36,16 @@ type Queued<T> = io::Result<(T, SocketAddr, Option<OwnedSemaphorePermit>)>;
 
 /// `rdma_bind_addr`'s error for `addr`: no interface has the address
 /// (`EADDRNOTAVAIL`: never had it, or it was removed while the process
-/// runs) is [`Error::NoDeviceForAddress`], naming it; others unchanged.
+/// runs) or its interface has no RDMA device (`ENODEV`) is
+/// [`Error::NoDeviceForAddress`], naming it; others unchanged.
 fn bind_error(e: Error, addr: SocketAddr) -> Error {
     match &e {
-        Error::Verbs { source, .. } if source.raw_os_error() == Some(libc::EADDRNOTAVAIL) => {
+        Error::Verbs { source, .. }
+            if matches!(
+                source.raw_os_error(),
+                Some(libc::EADDRNOTAVAIL | libc::ENODEV)
+            ) =>
+        {
             Error::NoDeviceForAddress { addr: addr.ip() }
         }
         _ => e,

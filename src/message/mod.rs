@@ -835,15 +835,15 @@ impl MessageEndpoint {
     /// (a memory window of type 2 bound on this connection's QP), once the
     /// NIC confirmed the bind. Hand [`Grant::remote`] to the peer. The
     /// region is a buffer of this endpoint's pool ([`LocalRegion::new`]),
-    /// or memory registered with this endpoint's pool or another pool on
-    /// the same device ([`MemoryPool::register_local`]). The grant keeps
+    /// or memory registered with this endpoint's pool or, on a device with
+    /// memory windows, another pool on the same device
+    /// ([`MemoryPool::register_local`]). The grant keeps
     /// the region until it is revoked. See [`crate::remote`] for what the
     /// peer can do with it.
     ///
     /// # Errors
     /// `InvalidInput` for an empty range or access, a range past the
-    /// region's end, or a region neither of this endpoint's pool nor
-    /// registered on its device;
+    /// region's end, or a region this endpoint cannot use (see above);
     /// `OutOfMemory` ([`Error::ResourceLimit`]) at this connection's quota
     /// of 64 grants or the device's memory windows; `Unsupported`
     /// ([`Error::NoAtomics`]) for ATOMIC access on a device without RDMA
@@ -979,8 +979,14 @@ impl MessageEndpoint {
     /// ([`MemoryPool::register_local`]).
     ///
     /// # Errors
-    /// As [`read`](Self::read), and `InvalidInput` (nothing posted) when
-    /// the range passes `dst`'s end or `dst` is not usable here.
+    /// `InvalidInput` (nothing posted) when the range passes the grant or
+    /// the grant has no READ, `len` exceeds 2 GiB, `at..at + max(len, 1)`
+    /// passes `dst`'s end (a WR names at least one byte), or `dst` is not
+    /// usable here; [`Error::RemoteAccess`] (`PermissionDenied`) when the
+    /// peer's NIC refuses, which fails the endpoint; without memory
+    /// windows, the READ's sink registration's errors ([`Error::Verbs`],
+    /// [`Error::ResourceLimit`]); `ConnectionReset` once the endpoint
+    /// failed. No pool buffer is used.
     /// Cancel-safe: dropping the future leaves `dst` (a clone) with the
     /// endpoint until the NIC is done writing it; its bytes in that range
     /// are unspecified until then.
@@ -1133,7 +1139,9 @@ impl MessageEndpoint {
     /// # Errors
     /// `InvalidInput` (nothing posted) for more than
     /// [`MAX_TRANSFER_BATCH`] operations, or any operation that
-    /// [`read`](Self::read) or [`write`](Self::write) would refuse; a
+    /// [`read`](Self::read), [`write`](Self::write),
+    /// [`read_to`](Self::read_to) or [`write_from`](Self::write_from)
+    /// would refuse; a
     /// refusal by the peer's NIC fails the endpoint with
     /// [`Error::RemoteAccess`] naming the first refused operation; the
     /// pool's errors; `ConnectionReset` once the endpoint failed.

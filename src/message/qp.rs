@@ -1276,15 +1276,19 @@ impl MessageQp {
             solicited: false,
             op,
         }];
-        // SAFETY: the SGE names `local`, a pool buffer registered with
-        // local write on this QP's PD (or, for a READ without windows,
-        // under its sink), inside its capacity (checked above). It is held
-        // by this operation's entry in `self.remote` while its future
-        // waits, and pinned in the ledger (recorded right below) so that a
-        // future dropped before the completion hands it to the ledger,
-        // which frees it only at the completion or flush, or after the QP
-        // is destroyed (field order). The program does not touch it
-        // meanwhile: the future gets it back only after the completion.
+        // SAFETY: the SGE names `local`, a pool buffer or a region's range
+        // registered with local write on this QP's PD (the endpoint checked
+        // `usable_with`; or, for a READ without windows, under its sink),
+        // inside its capacity (checked above). It is held by this
+        // operation's entry in `self.remote` while its future waits, and
+        // pinned in the ledger (recorded right below) so that a future
+        // dropped before the completion hands it to the ledger, which
+        // frees it only at the completion or flush, or after the QP is
+        // destroyed (field order). The program reaches it meanwhile only
+        // through a region's copies (`read_at`/`write_at`, through raw
+        // pointers: no reference to its bytes exists), which the NIC's
+        // access is outside of; a pool buffer's future gets it back only
+        // after the completion.
         unsafe { self.qp.post_send_batch(&wrs) }?;
         self.ledger.record(wr_id, posted, Some(wr_id));
         let entry = RemoteEntry {
@@ -1341,18 +1345,20 @@ impl MessageQp {
             records.push((wr_id, posted));
             locals.push(local);
         }
-        // SAFETY: each SGE names its WR's `local`, a pool buffer registered
-        // with local write on this QP's PD (or, for a READ without
-        // windows, under its sink registered above), inside its capacity
+        // SAFETY: each SGE names its WR's `local`, a pool buffer or a
+        // region's range registered with local write on this QP's PD (the
+        // endpoint checked `usable_with`; or, for a READ without windows,
+        // under its sink registered above), inside its capacity
         // (checked above). Each is held by this operation's entry in
         // `self.remote` while its future waits, and pinned in the ledger
         // under its own WR (recorded right below, for every WR even when
         // the post fails part way), so that a future dropped before the
         // completion hands it to the ledger, which frees it only at that
         // WR's completion or flush (or a later WR's), or after the QP is
-        // destroyed (field order). The program does not touch them
-        // meanwhile: the future gets them back only after the last WR's
-        // completion.
+        // destroyed (field order). The program reaches them meanwhile only
+        // through a region's copies (raw pointers, no references), which
+        // the NIC's access is outside of; pool buffers come back to the
+        // future only after the last WR's completion.
         let posted = unsafe { self.qp.post_send_batch(&wrs) };
         drop(wrs);
         for &(wr_id, op) in &records {
@@ -1512,9 +1518,10 @@ impl MessageQp {
             addr: region.addr() + offset,
             len,
         };
-        // SAFETY: `mr` is the live MR under the region's pool buffer
-        // (registered with LOCAL_WRITE and MW_BIND on this QP's PD: the
-        // endpoint checks that the region is in its pool), and the range
+        // SAFETY: `mr` is the live MR under the region (a pool buffer or
+        // `register_local` memory, registered with LOCAL_WRITE and MW_BIND
+        // on the device's shared PD, this QP's PD: the endpoint checked
+        // `usable_with`), and the range
         // lies inside it (the caller checked it). The region is kept in
         // `self.grant_regions` until the window is deallocated: at its
         // revocation's completion, a failed bind, or this struct's drop,

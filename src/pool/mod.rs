@@ -206,8 +206,9 @@ pub struct PoolStats {
     /// Calls to [`MemoryPool::alloc`] that found the pool exhausted and
     /// waited (each call counts once however often it was woken).
     pub waits: u64,
-    /// [`RegisteredRegion`]s (user memory) registered now; regions sharing a
-    /// cached registration count once.
+    /// User memory registered now: [`RegisteredRegion`]s (regions sharing
+    /// a cached registration count once) and
+    /// [`register_local`](MemoryPool::register_local) regions.
     pub regions: u64,
     /// Region registrations served from the registration cache.
     pub region_cache_hits: u64,

@@ -247,8 +247,8 @@ pub(crate) struct UserMemory {
 
 // SAFETY: `owner` is a `Box<M>` with `M: Send + Sync` that only this value
 // reaches (as a box, at drop), and its bytes are reached through `ptr` by
-// `LocalRegion`'s copies, which serialise among themselves; the
-// registration is Send + Sync.
+// `LocalRegion`'s copies and `load_u64`, which serialise through the
+// region's lock; the registration is Send + Sync.
 unsafe impl Send for UserMemory {}
 // SAFETY: as above; `&UserMemory` gives out only the address and keys.
 unsafe impl Sync for UserMemory {}
@@ -329,7 +329,7 @@ impl Drop for UserMemory {
 impl MemoryPool {
     /// Registers memory of the caller's (a `Vec<u8>`, `Box<[u8]>`,
     /// `BytesMut`, or a file or huge-page mapping such as `memmap2`'s
-    /// `MmapMut`: anything that derefs mutably to bytes) on the pool's
+    /// `MmapMut`: any `AsMut<[u8]> + Send + Sync + 'static`) on the pool's
     /// protection domain, writable by the local NIC and with no remote
     /// access of its own, and makes all of `memory.as_mut()` a
     /// [`LocalRegion`](crate::remote::LocalRegion) that
@@ -338,7 +338,11 @@ impl MemoryPool {
     /// and keeps it registered while any clone, grant or revocation in
     /// progress holds it;
     /// [`LocalRegion::try_into_memory`](crate::remote::LocalRegion::try_into_memory)
-    /// gives it back.
+    /// gives it back. A grant, `read_to` or `write_from` accepts it on
+    /// endpoints whose `pool()` is this pool or, on a device with memory
+    /// windows, another pool on the same device; on a device without them
+    /// (Soft-iWARP) only on the endpoint whose `pool()` this is (its
+    /// connection's own protection domain).
     ///
     /// Unlike [`register_vec`](Self::register_vec) (read-only, for sends),
     /// the NIC may write this memory (a peer's grant with WRITE or
@@ -351,7 +355,10 @@ impl MemoryPool {
     /// # Errors
     /// [`PoolError::EmptyRegion`] when `memory` has no bytes;
     /// [`PoolError::Registration`] when the provider refuses (out of
-    /// pinnable memory, `RLIMIT_MEMLOCK`, a read-only mapping).
+    /// pinnable memory, `RLIMIT_MEMLOCK`, a read-only mapping), and in a
+    /// child made by `fork()` (its source is
+    /// [`Error::InheritedAfterFork`](crate::Error::InheritedAfterFork),
+    /// `Unsupported`).
     pub fn register_local<M>(&self, memory: M) -> Result<crate::remote::LocalRegion, PoolError>
     where
         M: AsMut<[u8]> + Send + Sync + 'static,

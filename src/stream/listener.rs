@@ -75,8 +75,8 @@ impl RdmaListener {
     /// `NotFound` (`Error::NoDevice`) without an RDMA device,
     /// `AddrInUse` from `rdma_bind_addr`, `AddrNotAvailable`
     /// ([`Error::NoDeviceForAddress`](crate::Error::NoDeviceForAddress),
-    /// naming it) for an address no interface has (or no longer has) or a
-    /// loopback address.
+    /// naming it) for an address no interface has (or no longer has), an
+    /// interface without an RDMA device, or a loopback address.
     pub async fn bind<A: ToSocketAddrs>(addr: A) -> io::Result<RdmaListener> {
         Self::bind_with(addr, &RdmaConfig::default()).await
     }

@@ -144,8 +144,7 @@ mod tests {
         let parent = std::process::id();
         let kept = ParentOnly::new(Counts);
         // SAFETY: the child only loads and stores atomics, builds one
-        // error (glibc's malloc works in a forked child) and leaves with
-        // `_exit`.
+        // error (no allocation) and leaves with `_exit`.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0);
         if pid == 0 {
