@@ -302,10 +302,7 @@ impl LocalRegion {
     /// # Errors
     /// `InvalidInput` when the range passes the region's end.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> io::Result<()> {
-        let len = self.len();
-        if offset.checked_add(dst.len()).is_none_or(|e| e > len) {
-            return Err(out_of_range("read_at", offset, dst.len(), len));
-        }
+        self.check_range("read_at", offset, dst.len())?;
         let _g = self.inner.copies.read().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the range lies inside the region (checked above), whose
         // memory lives as long as `self`; `dst` is a distinct allocation of the
@@ -323,10 +320,7 @@ impl LocalRegion {
     /// # Errors
     /// `InvalidInput` when the range passes the region's end.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> io::Result<()> {
-        let len = self.len();
-        if offset.checked_add(src.len()).is_none_or(|e| e > len) {
-            return Err(out_of_range("write_at", offset, src.len(), len));
-        }
+        self.check_range("write_at", offset, src.len())?;
         let _g = self.inner.copies.write().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the range lies inside the region (checked above), whose
         // memory lives as long as `self` and is registered for the NIC only

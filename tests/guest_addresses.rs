@@ -72,6 +72,21 @@ async fn wait_gid(gid: Ipv6Addr, present: bool) {
     }
 }
 
+/// Adds [`GLOBAL`] to veth0 (no duplicate address detection) and waits
+/// until it is the GID `global`.
+async fn add_global(global: Ipv6Addr) {
+    ip_cmd(&[
+        "-6",
+        "addr",
+        "add",
+        &format!("{GLOBAL}/64"),
+        "dev",
+        NETDEV,
+        "nodad",
+    ]);
+    wait_gid(global, true).await;
+}
+
 /// veth0's link-local address once it passed duplicate address detection.
 async fn link_local() -> Ipv6Addr {
     let t0 = Instant::now();
@@ -145,16 +160,7 @@ async fn connects_over(addr: SocketAddr) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipv6_global_and_link_local_addresses_work_and_follow_the_gid_table() {
     let global: Ipv6Addr = GLOBAL.parse().unwrap();
-    ip_cmd(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{GLOBAL}/64"),
-        "dev",
-        NETDEV,
-        "nodad",
-    ]);
-    wait_gid(global, true).await;
+    add_global(global).await;
     let sel = verbs::select_device(IpAddr::V6(global)).expect("a device for the address");
     assert_eq!(
         (sel.device.as_str(), sel.gid, sel.gid_type),
@@ -201,16 +207,7 @@ async fn ipv6_global_and_link_local_addresses_work_and_follow_the_gid_table() {
     );
 
     // Back again: the same process binds and connects over it.
-    ip_cmd(&[
-        "-6",
-        "addr",
-        "add",
-        &format!("{GLOBAL}/64"),
-        "dev",
-        NETDEV,
-        "nodad",
-    ]);
-    wait_gid(global, true).await;
+    add_global(global).await;
     connects_over(SocketAddr::new(IpAddr::V6(global), 0)).await;
     ip_cmd(&["-6", "addr", "del", &format!("{GLOBAL}/64"), "dev", NETDEV]);
 }

@@ -59,6 +59,25 @@ async fn assert_write_refused(ep: &MessageEndpoint, result: io::Result<()>) {
     assert!(failed.is_err(), "{failed:?}");
 }
 
+/// The memory of `region` back (`LocalRegion::try_into_memory`) once
+/// nothing else holds it: a grant being revoked in the background or an
+/// operation the NIC has not finished; fails after 20 s.
+async fn memory_back<M: std::any::Any>(mut region: LocalRegion, what: &str) -> M {
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match region.try_into_memory() {
+                Ok(m) => break m,
+                Err(r) => {
+                    region = r;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what}"))
+}
+
 fn remote_error_status(e: &io::Error) -> Option<u32> {
     match Error::from_io(e) {
         Some(Error::RemoteAccess { status, .. }) => Some(*status),
@@ -781,16 +800,7 @@ async fn registered_user_memory_is_granted_and_given_back_with_the_peers_writes(
     let got = client.read(&grant.remote(), 99, 1000).await.expect("READ");
     assert!(got[..] == data[99..1099]);
     drop(grant); // revoked in the background
-    let mut reg = reg;
-    let map = loop {
-        match reg.try_into_memory::<memmap2::MmapMut>() {
-            Ok(map) => break map,
-            Err(r) => {
-                reg = r;
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        }
-    };
+    let map: memmap2::MmapMut = memory_back(reg, "the mapping comes back once revoked").await;
     assert_eq!(server.grants(), 0);
     map.flush().expect("msync");
     drop(map);
@@ -967,20 +977,7 @@ async fn read_to_and_write_from_move_bytes_in_place_of_a_registered_region() {
         let polled = futures::poll!(read.as_mut());
         assert!(polled.is_pending(), "a 4 MiB READ is in flight");
     }
-    let mut mine = mine;
-    let back: Vec<u8> = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            match mine.try_into_memory() {
-                Ok(v) => break v,
-                Err(r) => {
-                    mine = r;
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
-        }
-    })
-    .await
-    .expect("the region comes back once the READ completed");
+    let back: Vec<u8> = memory_back(mine, "the region comes back once the READ completed").await;
     assert!(back[4 * MIB..4 * MIB + data.len()] == data);
     // The endpoint is unharmed.
     assert!(client.read(&remote, 0, 64).await.unwrap()[..] == theirs[..64]);
@@ -1060,20 +1057,7 @@ async fn a_transfer_dropped_in_flight_keeps_every_buffer_until_its_completion() 
             );
         }
     }
-    let mut mine = mine;
-    let back: Vec<u8> = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            match mine.try_into_memory() {
-                Ok(v) => break v,
-                Err(r) => {
-                    mine = r;
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-            }
-        }
-    })
-    .await
-    .expect("the region comes back once its WRs completed");
+    let back: Vec<u8> = memory_back(mine, "the region comes back once its WRs completed").await;
     // What the READs in place left: the granted bytes they read.
     let theirs = shared::pattern_vec(41, reg.len());
     for k in (1..MAX_TRANSFER_BATCH).step_by(3) {

@@ -148,6 +148,34 @@ fn wr_len(op: &str, len: usize) -> io::Result<u32> {
         })
 }
 
+/// The name of a one-sided READ (`read`) or WRITE, for errors.
+fn rw_name(read: bool) -> &'static str {
+    if read { "RDMA READ" } else { "RDMA WRITE" }
+}
+
+/// The WR of an RDMA READ (`read`) or WRITE of `len` bytes at `offset` of
+/// `remote`, checked against the grant (range, READ or WRITE access) and
+/// the 2 GiB bound.
+///
+/// # Errors
+/// `InvalidInput` (nothing posted) from either check.
+fn remote_rw(read: bool, remote: &RemoteRegion, offset: u64, len: usize) -> io::Result<RemoteWr> {
+    let op = rw_name(read);
+    let want = if read {
+        GrantAccess::READ
+    } else {
+        GrantAccess::WRITE
+    };
+    let addr = remote.check(op, offset, len as u64, want)?;
+    let len = wr_len(op, len)?;
+    let rkey = remote.rkey();
+    Ok(if read {
+        RemoteWr::Read { addr, rkey, len }
+    } else {
+        RemoteWr::Write { addr, rkey, len }
+    })
+}
+
 /// What [`MessageEndpoint::recv_incoming`] hands out, in the peer's send
 /// order.
 #[derive(Debug, Clone)]
@@ -866,12 +894,7 @@ impl MessageEndpoint {
                 region.len()
             )));
         }
-        if !region.usable_with(&self.pool) {
-            return Err(invalid(
-                "the region is neither a buffer of this endpoint's pool nor memory registered on its device"
-                    .into(),
-            ));
-        }
+        self.check_usable("grant", region)?;
         let (offset, len) = (range.start as u64, (range.end - range.start) as u64);
         let (wr_id, rkey) = self.conn.start_grant(region, offset, len, access).await?;
         // The grant exists from the post on: revoked if this wait is
@@ -911,14 +934,8 @@ impl MessageEndpoint {
         len: usize,
     ) -> io::Result<PoolBytes> {
         crate::verbs::fork::check_io("MessageEndpoint::read")?;
-        let addr = remote.check("RDMA READ", offset, len as u64, GrantAccess::READ)?;
-        let len32 = wr_len("RDMA READ", len)?;
+        let wr = remote_rw(true, remote, offset, len)?;
         let buf = self.pool.alloc_any(len.max(1)).await?;
-        let wr = RemoteWr::Read {
-            addr,
-            rkey: remote.rkey(),
-            len: len32,
-        };
         let id = self.conn.start_remote(wr, Local::Buf(buf)).await?;
         let mut buf = self
             .conn
@@ -958,14 +975,8 @@ impl MessageEndpoint {
     /// As [`read`](Self::read), for WRITE access.
     pub async fn write(&self, remote: &RemoteRegion, offset: u64, data: &[u8]) -> io::Result<()> {
         crate::verbs::fork::check_io("MessageEndpoint::write")?;
-        let addr = remote.check("RDMA WRITE", offset, data.len() as u64, GrantAccess::WRITE)?;
-        let len = wr_len("RDMA WRITE", data.len())?;
+        let wr = remote_rw(false, remote, offset, data.len())?;
         let buf = self.copied(data).await?;
-        let wr = RemoteWr::Write {
-            addr,
-            rkey: remote.rkey(),
-            len,
-        };
         let id = self.conn.start_remote(wr, Local::Buf(buf)).await?;
         self.conn.wait_remote(id, "RDMA WRITE").await.map(drop)
     }
@@ -1033,22 +1044,24 @@ impl MessageEndpoint {
         at: usize,
         len: usize,
     ) -> io::Result<()> {
-        let (op, want) = if read {
-            ("RDMA READ", GrantAccess::READ)
-        } else {
-            ("RDMA WRITE", GrantAccess::WRITE)
-        };
-        let addr = remote.check(op, offset, len as u64, want)?;
-        let len = wr_len(op, len)?;
-        let local = self.region_range(op, region, at, len as usize)?;
-        let rkey = remote.rkey();
-        let wr = if read {
-            RemoteWr::Read { addr, rkey, len }
-        } else {
-            RemoteWr::Write { addr, rkey, len }
-        };
+        let wr = remote_rw(read, remote, offset, len)?;
+        let local = self.region_range(rw_name(read), region, at, len)?;
         let id = self.conn.start_remote(wr, local).await?;
-        self.conn.wait_remote(id, op).await.map(drop)
+        self.conn.wait_remote(id, rw_name(read)).await.map(drop)
+    }
+
+    /// `InvalidInput` naming `op` unless this endpoint may use `region`
+    /// (see [`LocalRegion::usable_with`]).
+    fn check_usable(&self, op: &str, region: &LocalRegion) -> io::Result<()> {
+        if region.usable_with(&self.pool) {
+            return Ok(());
+        }
+        Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{op}: the region is neither a buffer of this endpoint's pool nor memory registered on its protection domain"
+            ),
+        ))
     }
 
     /// `len` bytes at `at` of `region` as a one-sided WR's local memory
@@ -1061,14 +1074,7 @@ impl MessageEndpoint {
         len: usize,
     ) -> io::Result<Local> {
         region.check_range(op, at, len.max(1))?;
-        if !region.usable_with(&self.pool) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{op}: the local region is neither a buffer of this endpoint's pool nor memory registered on its protection domain"
-                ),
-            ));
-        }
+        self.check_usable(op, region)?;
         Ok(Local::Region {
             region: region.clone(),
             at,
@@ -1161,20 +1167,29 @@ impl MessageEndpoint {
             return Ok(Vec::new());
         }
         // Every operation is checked before anything is allocated or
-        // posted: a bad one refuses the whole batch.
-        let mut wrs = Vec::with_capacity(ops.len());
+        // posted: a bad one refuses the whole batch. In-place operations
+        // get their local memory here; the others below.
+        enum Pending<'d> {
+            Ready(Local),
+            Alloc(usize),
+            Copy(&'d [u8]),
+        }
+        let mut checked = Vec::with_capacity(ops.len());
         for op in ops {
-            let (remote, offset, len, read) = match *op {
+            checked.push(match *op {
                 Transfer::Read {
                     remote,
                     offset,
                     len,
-                } => (remote, offset, len, true),
+                } => (remote_rw(true, remote, offset, len)?, Pending::Alloc(len)),
                 Transfer::Write {
                     remote,
                     offset,
                     data,
-                } => (remote, offset, data.len(), false),
+                } => (
+                    remote_rw(false, remote, offset, data.len())?,
+                    Pending::Copy(data),
+                ),
                 Transfer::ReadTo {
                     remote,
                     offset,
@@ -1182,8 +1197,9 @@ impl MessageEndpoint {
                     at,
                     len,
                 } => {
-                    self.region_range("RDMA READ", dst, at, len)?;
-                    (remote, offset, len, true)
+                    let wr = remote_rw(true, remote, offset, len)?;
+                    let local = self.region_range(rw_name(true), dst, at, len)?;
+                    (wr, Pending::Ready(local))
                 }
                 Transfer::WriteFrom {
                     remote,
@@ -1192,35 +1208,18 @@ impl MessageEndpoint {
                     at,
                     len,
                 } => {
-                    self.region_range("RDMA WRITE", src, at, len)?;
-                    (remote, offset, len, false)
+                    let wr = remote_rw(false, remote, offset, len)?;
+                    let local = self.region_range(rw_name(false), src, at, len)?;
+                    (wr, Pending::Ready(local))
                 }
-            };
-            let (name, want) = if read {
-                ("RDMA READ", GrantAccess::READ)
-            } else {
-                ("RDMA WRITE", GrantAccess::WRITE)
-            };
-            let addr = remote.check(name, offset, len as u64, want)?;
-            let len = wr_len(name, len)?;
-            let rkey = remote.rkey();
-            wrs.push(if read {
-                RemoteWr::Read { addr, rkey, len }
-            } else {
-                RemoteWr::Write { addr, rkey, len }
             });
         }
         let mut batch = Vec::with_capacity(ops.len());
-        for (op, wr) in ops.iter().zip(wrs) {
-            let local = match *op {
-                Transfer::Read { len, .. } => Local::Buf(self.pool.alloc_any(len.max(1)).await?),
-                Transfer::Write { data, .. } => Local::Buf(self.copied(data).await?),
-                Transfer::ReadTo { dst, at, len, .. } => {
-                    self.region_range("RDMA READ", dst, at, len)?
-                }
-                Transfer::WriteFrom { src, at, len, .. } => {
-                    self.region_range("RDMA WRITE", src, at, len)?
-                }
+        for (wr, pending) in checked {
+            let local = match pending {
+                Pending::Ready(local) => local,
+                Pending::Alloc(len) => Local::Buf(self.pool.alloc_any(len.max(1)).await?),
+                Pending::Copy(data) => Local::Buf(self.copied(data).await?),
             };
             batch.push((wr, local));
         }
