@@ -275,6 +275,36 @@ pub enum Error {
     #[error("the RDMA device of the connection was removed")]
     DeviceRemoved,
 
+    /// The port the connection runs on went down (the verbs async event
+    /// `PORT_ERR`, for example its netdev set down or its cable pulled)
+    /// and stayed down for `after`, the connection's RC retry bound
+    /// ([`RdmaConfig::retry_bound`](crate::RdmaConfig::retry_bound): what
+    /// the transport itself waits before it gives a path up). A port that
+    /// comes back sooner fails nothing. Like TCP's `ENETDOWN`, maps to
+    /// [`io::ErrorKind::NetworkDown`].
+    #[error("port {port} of RDMA device {device} went down and stayed down for {after:?}")]
+    PortDown {
+        /// The device, for example `rxe0`.
+        device: String,
+        /// The port number (1-based).
+        port: u8,
+        /// How long the port had been down when the connection failed.
+        after: std::time::Duration,
+    },
+
+    /// The device reported the connection's queue pair failed (the verbs
+    /// async events `QP_FATAL`, `QP_REQ_ERR` or `QP_ACCESS_ERR`: a
+    /// transport or access error the QP could not report through a work
+    /// completion). The QP is in the error state. Maps to
+    /// [`io::ErrorKind::ConnectionAborted`].
+    #[error("RDMA device {device} reported the queue pair failed ({event})")]
+    QueuePairFatal {
+        /// The device, for example `rxe0`.
+        device: String,
+        /// The event's name, for example `QP_FATAL`.
+        event: &'static str,
+    },
+
     /// A write after [`poll_shutdown`](tokio::io::AsyncWrite::poll_shutdown)
     /// (or after the write half was dropped). Maps to
     /// [`io::ErrorKind::BrokenPipe`], as a TCP socket after `shutdown(Write)`.
@@ -497,7 +527,10 @@ impl Error {
             | Error::AutoPortOnIwarp { .. }
             | Error::InheritedAfterFork { .. } => io::ErrorKind::Unsupported,
             Error::PeerDisconnected => io::ErrorKind::ConnectionReset,
-            Error::DeviceRemoved | Error::LocalAbort => io::ErrorKind::ConnectionAborted,
+            Error::DeviceRemoved | Error::LocalAbort | Error::QueuePairFatal { .. } => {
+                io::ErrorKind::ConnectionAborted
+            }
+            Error::PortDown { .. } => io::ErrorKind::NetworkDown,
             Error::WriteAfterShutdown | Error::PeerClosed => io::ErrorKind::BrokenPipe,
             Error::NotConnected => io::ErrorKind::NotConnected,
             Error::LingerTimeout { .. } | Error::KeepaliveTimeout { .. } => io::ErrorKind::TimedOut,
@@ -710,6 +743,19 @@ impl Clone for Error {
             },
             Error::PeerDisconnected => Error::PeerDisconnected,
             Error::DeviceRemoved => Error::DeviceRemoved,
+            Error::PortDown {
+                device,
+                port,
+                after,
+            } => Error::PortDown {
+                device: device.clone(),
+                port: *port,
+                after: *after,
+            },
+            Error::QueuePairFatal { device, event } => Error::QueuePairFatal {
+                device: device.clone(),
+                event,
+            },
             Error::WriteAfterShutdown => Error::WriteAfterShutdown,
             Error::PeerClosed => Error::PeerClosed,
             Error::NotConnected => Error::NotConnected,

@@ -97,10 +97,22 @@ pub struct ConnectionStats {
 }
 
 pub use crate::verbs::count::ResourceSnapshot;
+pub use crate::verbs::watch::PortStatus;
 
 /// What this process holds now through tokio-rdma (live objects; counts
 /// go back down as connections, listeners and pools are dropped and their
 /// drivers finish).
 pub fn resources() -> ResourceSnapshot {
     crate::verbs::count::snapshot()
+}
+
+/// The state of each port of each RDMA device this process has open, as
+/// the device's async events (`PORT_ERR`, `PORT_ACTIVE`) reported it,
+/// with the connections on it now: ports that have connections or had an
+/// event, sorted by device open order and port number. A port that stays
+/// down fails its connections with [`Error::PortDown`](crate::Error::PortDown)
+/// once it was down for their RC retry bound. Empty before the first
+/// connection or pool opened a device.
+pub fn ports() -> Vec<PortStatus> {
+    crate::verbs::watch::ports()
 }

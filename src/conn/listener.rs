@@ -3,7 +3,7 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 
 use tokio::net::ToSocketAddrs;
@@ -24,8 +24,12 @@ pub(crate) struct Listener<S: Setup> {
     incoming: Mutex<mpsc::Receiver<Queued<S::Out>>>,
     task: tokio::task::JoinHandle<()>,
     /// Destroyed in `drop`, so the port is free again when `drop` returns
-    /// (as with `TcpListener`).
-    _listen_id: CmId,
+    /// (as with `TcpListener`); or by the task when the device goes, so
+    /// the removal is not held up.
+    listen_id: Arc<Mutex<Option<CmId>>>,
+    /// Why the task ended, if it did for a reason every later accept
+    /// reports (the device went).
+    gone: Arc<OnceLock<Error>>,
 }
 
 /// The `rdma_listen` backlog: rdma_ucm's default `max_backlog`.
@@ -89,12 +93,29 @@ impl<S: Setup> Listener<S> {
         let slots = Arc::new(Semaphore::new(backlog));
         let (tx, rx) = mpsc::channel(backlog + 1);
         let span = tracing::debug_span!("rdma_listener", local = %local_addr, kind = %S::KIND);
-        let task = tokio::spawn(listen_loop(channel, setup, tx, slots).instrument(span));
+        let device = id.device_name();
+        let listen_id = Arc::new(Mutex::new(Some(id)));
+        let gone = Arc::new(OnceLock::new());
+        let task = tokio::spawn(
+            listen_loop(
+                channel,
+                setup,
+                tx,
+                slots,
+                Removal {
+                    device,
+                    listen_id: Arc::clone(&listen_id),
+                    gone: Arc::clone(&gone),
+                },
+            )
+            .instrument(span),
+        );
         Ok(Listener {
             local_addr,
             incoming: Mutex::new(rx),
             task,
-            _listen_id: id,
+            listen_id,
+            gone,
         })
     }
 
@@ -111,10 +132,13 @@ impl<S: Setup> Listener<S> {
         match rx.poll_recv(cx) {
             // Dropping the permit frees the backlog slot.
             Poll::Ready(Some(r)) => Poll::Ready(r.map(|(s, a, _slot)| (s, a))),
-            Poll::Ready(None) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::ConnectionAborted,
-                "the listener's background task ended",
-            ))),
+            Poll::Ready(None) => Poll::Ready(Err(match self.gone.get() {
+                Some(e) => e.clone().into(),
+                None => io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "the listener's background task ended",
+                ),
+            })),
             Poll::Pending => Poll::Pending,
         }
     }
@@ -128,7 +152,24 @@ impl<S: Setup> Listener<S> {
 impl<S: Setup> Drop for Listener<S> {
     fn drop(&mut self) {
         self.task.abort();
+        drop(
+            self.listen_id
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
     }
+}
+
+/// What the listener's task needs when rdma_cm reports its device going.
+struct Removal {
+    /// The device the listen id is bound to (`None` for a wildcard
+    /// address, whose per-device listens rdma_cm manages itself: it keeps
+    /// listening on the other devices and on the device when it comes
+    /// back).
+    device: Option<String>,
+    listen_id: Arc<Mutex<Option<CmId>>>,
+    gone: Arc<OnceLock<Error>>,
 }
 
 type Incoming<T> = mpsc::Sender<Queued<T>>;
@@ -138,6 +179,7 @@ async fn listen_loop<S: Setup>(
     setup: S,
     tx: Incoming<S::Out>,
     slots: Arc<Semaphore>,
+    removal: Removal,
 ) {
     let _own = crate::verbs::tasks::OwnTask::new();
     let mut handshakes = JoinSet::new();
@@ -151,6 +193,22 @@ async fn listen_loop<S: Setup>(
                         return;
                     }
                 };
+                if ev.kind == CmEventKind::DeviceRemoval {
+                    // Every later accept fails with DeviceRemoved; the id
+                    // goes now, so the device is not held open for it.
+                    warn!("the listener's RDMA device is going away");
+                    let _ = removal.gone.set(Error::DeviceRemoved);
+                    if let Some(d) = &removal.device {
+                        crate::verbs::rc::device_removed(d);
+                    }
+                    let id = removal
+                        .listen_id
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .take();
+                    tokio::task::spawn_blocking(move || drop(id));
+                    return;
+                }
                 if ev.kind != CmEventKind::ConnectRequest {
                     debug!(kind = ?ev.kind, "ignoring listener event");
                     continue;

@@ -367,6 +367,17 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
 
     stage.set(ConnectStage::LocalSetup);
     let (dev, qp, device) = new_qp(&id, cfg, setup.sizes())?;
+    // A port known to be down (its PORT_ERR came, no PORT_ACTIVE since):
+    // fail now rather than send a connect request that cannot leave (and
+    // that Soft-RoCE would pay for with its GSI QP, see `conn::shared`).
+    let port = id.port_num();
+    if let Some(after) = dev.watch.down_for(port) {
+        return Err(Error::PortDown {
+            device: dev.name.clone(),
+            port,
+            after,
+        });
+    }
     let mut qp = setup.prepare(&dev, qp).await?;
     qp.as_mut().modify_to_init(&id)?;
     let hello = setup.on_init(&mut qp)?;

@@ -24,6 +24,7 @@ use crate::pool::MemoryPool;
 use crate::verbs::cm::{CmEventKind, CmId};
 use crate::verbs::events::DELEGATION_TICK;
 use crate::verbs::rc::RcQueuePair;
+use crate::verbs::watch::{Registration, Watched};
 
 use super::SpinWait;
 use super::spin::SpinDeadline;
@@ -400,6 +401,9 @@ pub(crate) struct Started<D> {
     pub linger: Duration,
     /// Idle time before a keepalive probe (`None`: no keepalive).
     pub keepalive: Option<Duration>,
+    /// How long the connection's port may stay down before it fails
+    /// (`RdmaConfig::retry_bound`; see `verbs::watch`).
+    pub port_grace: Duration,
     /// `"rdma_stream"` or `"rdma_msg"`, the tracing span's name part.
     pub kind: &'static str,
 }
@@ -432,8 +436,25 @@ pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
         peer = %peer_addr,
         qp = qp_num
     );
-    tokio::spawn(drive(Arc::clone(&shared), s.id, s.linger, s.keepalive).instrument(span));
+    let hook: std::sync::Weak<dyn Watched> = Arc::downgrade(&shared) as _;
+    // The device first: registering on a device already gone fails the
+    // connection at once, which takes the state's lock.
+    let device = Arc::clone(shared.lock().qp().device());
+    let watch = device
+        .watch
+        .register(qp_num, s.id.port_num(), s.port_grace, hook);
+    tokio::spawn(drive(Arc::clone(&shared), s.id, s.linger, s.keepalive, watch).instrument(span));
     Handle(shared)
+}
+
+/// The device's watch thread fails the connection (its port stayed down,
+/// its QP failed, the device went): record the failure, which wakes every
+/// waiting task, and wake the driver, which disconnects.
+impl<D: Driven> Watched for Shared<D> {
+    fn fail_from_device(&self, err: Error) {
+        self.lock().fail(err);
+        self.notify.notify_one();
+    }
 }
 
 /// The driver: progress on every completion event, rdma_cm events, the last
@@ -444,6 +465,8 @@ async fn drive<D: Driven>(
     mut id: CmId,
     linger: Duration,
     keepalive: Option<Duration>,
+    // Unregistered from the device's watch when the driver ends.
+    watch: Registration,
 ) {
     debug!("connection established");
     let _own = crate::verbs::tasks::OwnTask::new();
@@ -575,10 +598,15 @@ async fn drive<D: Driven>(
                             st.on_disconnected();
                         }
                         CmEventKind::DeviceRemoval => {
-                            let mut st = shared.lock();
-                            st.progress();
-                            st.fail(Error::DeviceRemoved);
-                            st.on_disconnected();
+                            {
+                                let mut st = shared.lock();
+                                st.progress();
+                                st.fail(Error::DeviceRemoved);
+                                st.on_disconnected();
+                            }
+                            // Every other connection on it, and the
+                            // caches that hold the device open.
+                            crate::verbs::rc::device_removed(&shared.device);
                         }
                         _ => {}
                     }
@@ -645,7 +673,16 @@ async fn drive<D: Driven>(
         }
     }
     debug!("connection closing");
-    let _ = id.disconnect();
+    // No rdma_cm message while the port is down: Soft-RoCE (Linux 6.1)
+    // moves its GSI QP to the error state when a MAD (here the DREQ of a
+    // disconnect or of destroying a connected id) cannot be sent because
+    // its netdev is down, after which no connection on the device can be
+    // made until it is re-created. The id waits for the port instead.
+    let port = id.port_num();
+    let port_down = watch.watch().down_for(port).is_some();
+    if !port_down {
+        let _ = id.disconnect();
+    }
     {
         let mut st = shared.lock();
         st.qp_mut().set_error();
@@ -654,7 +691,19 @@ async fn drive<D: Driven>(
     shared.closed.send_replace(true);
     // The QP and its memory are freed when the last handle's Arc drops;
     // rdma_destroy_id may block in the kernel, so it runs off the runtime.
-    tokio::task::spawn_blocking(move || drop(id));
+    if port_down {
+        let watch = Arc::clone(watch.watch());
+        debug!(port, "port down: the rdma_cm id waits for it to come back");
+        tokio::spawn(async move {
+            watch.port_back(port).await;
+            tokio::task::spawn_blocking(move || {
+                let _ = id.disconnect();
+                drop(id);
+            });
+        });
+    } else {
+        tokio::task::spawn_blocking(move || drop(id));
+    }
 }
 
 /// One application handle on a connection. The connection closes (a

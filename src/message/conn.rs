@@ -1434,6 +1434,7 @@ pub(crate) fn start(
         fallback_addr: est.fallback_addr,
         linger: cfg.rdma.linger,
         keepalive: cfg.rdma.keepalive,
+        port_grace: cfg.rdma.retry_bound(),
         kind: "message",
     }))
 }

@@ -100,7 +100,7 @@ mod quota;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
 use futures::{Sink, Stream};
@@ -425,17 +425,10 @@ impl MessageConfig {
 
 /// The default pool of each device (see [`MessageConfig::pool`]).
 fn device_pool(device: &Arc<OpenDevice>) -> Result<MemoryPool> {
-    static POOLS: OnceLock<Mutex<std::collections::HashMap<String, MemoryPool>>> = OnceLock::new();
-    let mut map = POOLS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    if let Some(p) = map.get(&device.name) {
-        return Ok(p.clone());
-    }
-    let pool = MemoryPool::for_open_device(Arc::clone(device), PoolConfig::default())?;
-    map.insert(device.name.clone(), pool.clone());
-    Ok(pool)
+    static POOLS: crate::verbs::watch::DeviceCache<MemoryPool> = OnceLock::new();
+    Ok(crate::verbs::watch::cached(&POOLS, device, || {
+        MemoryPool::for_open_device(Arc::clone(device), PoolConfig::default())
+    })?)
 }
 
 /// The message endpoint's [`Setup`] for the shared handshake.

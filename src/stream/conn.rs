@@ -897,6 +897,7 @@ pub(crate) fn start(est: Established<StreamQp>, cfg: &RdmaConfig) -> Result<Hand
         fallback_addr: est.fallback_addr,
         linger: cfg.linger,
         keepalive: cfg.keepalive,
+        port_grace: cfg.retry_bound(),
         kind: "stream",
     }))
 }

@@ -39,7 +39,6 @@
 //! connection posts nothing before its first receive
 //! (`RcQueuePair::awaiting_initiator`).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::config::RdmaConfig;
@@ -52,6 +51,7 @@ use crate::verbs::rc::{
     BindTarget, Completion, MrAccess, OpenDevice, RcQueuePair, RegisteredBuffer, SendOp,
     SendPayload, SendWr, Sge, WcKind, WcStatus, Work,
 };
+use crate::verbs::watch::{DeviceCache, cached};
 
 /// Bytes of idle stream send buffers each device keeps registered for
 /// reuse: 4 MiB (64 buffers of the default 64 KiB), so connections that
@@ -77,17 +77,15 @@ impl SendBufferCache {
     /// The cache of `device` (one per device, for the process's life, like
     /// the opened device itself).
     fn of(device: &Arc<OpenDevice>) -> Arc<SendBufferCache> {
-        static CACHES: OnceLock<Mutex<HashMap<String, Arc<SendBufferCache>>>> = OnceLock::new();
-        let mut caches = CACHES
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        Arc::clone(caches.entry(device.name.clone()).or_insert_with(|| {
-            Arc::new(SendBufferCache {
+        static CACHES: DeviceCache<Arc<SendBufferCache>> = OnceLock::new();
+        let made = cached(&CACHES, device, || {
+            Ok::<_, std::convert::Infallible>(Arc::new(SendBufferCache {
                 device: Arc::clone(device),
                 idle: Mutex::new(Vec::new()),
-            })
-        }))
+            }))
+        });
+        let Ok(cache) = made;
+        cache
     }
 
     /// A registered, local-only send buffer of `len` bytes on the device's

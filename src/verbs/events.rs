@@ -958,8 +958,12 @@ pub(crate) struct CqHub {
     /// address replaces it (the old one's events were all read and
     /// acknowledged before `ibv_destroy_cq` returned).
     routes: Mutex<HashMap<usize, Route>>,
-    /// Cleared when the hub's task ends (its runtime shut down).
+    /// Cleared when the hub's task ends (its runtime shut down, or the
+    /// device went).
     alive: AtomicBool,
+    /// Notified when the device goes (`verbs::watch`): the task ends, so
+    /// the hub's channel and device are let go once its CQs are.
+    device_gone: tokio::sync::Notify,
     _device: Arc<OpenDevice>,
     _counted: Counted,
 }
@@ -1001,8 +1005,15 @@ impl CqHub {
             fd: ParentOnly::new(fd),
             routes: Mutex::new(HashMap::new()),
             alive: AtomicBool::new(true),
+            device_gone: tokio::sync::Notify::new(),
             _device: Arc::clone(device),
             _counted: Counted::new(Kind::SharedChannel),
+        });
+        let weak = Arc::downgrade(&hub);
+        device.watch.on_removed(move || {
+            if let Some(h) = weak.upgrade() {
+                h.device_gone.notify_one();
+            }
         });
         // Drop hubs of runtimes that are gone.
         hubs.retain(|_, w| w.strong_count() > 0);
@@ -1113,7 +1124,11 @@ async fn dispatch(hub: Arc<CqHub>) {
     let guard = AliveGuard(hub);
     let hub = &guard.0;
     loop {
-        let Ok(mut ready) = hub.fd.readable().await else {
+        let ready = tokio::select! {
+            r = hub.fd.readable() => r,
+            _ = hub.device_gone.notified() => return,
+        };
+        let Ok(mut ready) = ready else {
             tracing::warn!("a completion channel left the reactor");
             return;
         };

@@ -40,6 +40,8 @@ pub(crate) mod mw;
 pub(crate) mod rc;
 pub(crate) mod routes;
 pub(crate) mod tasks;
+#[allow(unsafe_code)]
+pub(crate) mod watch;
 
 pub use device::{
     Device, DeviceAddress, Gid, GidType, LinkLayer, Port, PortState, devices, select_device,

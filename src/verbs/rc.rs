@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::io;
 use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use rdma_mummy_sys::{
     bind_mw_t, ibv_access_flags, ibv_modify_qp, ibv_mr, ibv_mw_bind_info, ibv_post_send,
@@ -44,12 +44,15 @@ use super::count::{Counted, DeviceLimits, Kind, classify};
 use super::events::{CqEvents, QpCq};
 use super::fork::ParentOnly;
 use super::mw::{MemoryWindow, WindowAccess};
+use super::watch::DeviceWatch;
 use crate::error::{Error, Result};
 
 /// An opened device with the protection domain every connection on it shares.
 pub(crate) struct OpenDevice {
     /// The device name, for example `rxe0`.
     pub(crate) name: String,
+    /// Its async events and its removal (`verbs::watch`).
+    pub(crate) watch: Arc<DeviceWatch>,
     pub(crate) pd: Arc<ProtectionDomain>,
     pub(crate) ctx: Arc<DeviceContext>,
     /// Memory windows the device supports (`ibv_device_attr::max_mw`); 0
@@ -155,11 +158,13 @@ impl OpenDevice {
 pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
     crate::verbs::fork::check("open an RDMA device")?;
     crate::verbs::fork::watch();
-    static DEVICES: OnceLock<Mutex<HashMap<String, Arc<OpenDevice>>>> = OnceLock::new();
     let map = DEVICES.get_or_init(Default::default);
     let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(d) = map.get(name) {
-        return Ok(Arc::clone(d));
+        if !d.watch.is_removed() {
+            return Ok(Arc::clone(d));
+        }
+        map.remove(name);
     }
     let list = DeviceList::new().map_err(|e| Error::Verbs {
         op: "ibv_get_device_list",
@@ -218,8 +223,10 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
     } else {
         None
     };
+    let watch = DeviceWatch::start(name, &ctx);
     let d = Arc::new(OpenDevice {
         name: name.to_string(),
+        watch,
         pd,
         ctx,
         max_mw,
@@ -235,7 +242,40 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         _counted_pd: Counted::new(Kind::ProtectionDomain),
     });
     map.insert(name.to_string(), Arc::clone(&d));
+    let weak = Arc::downgrade(&d);
+    d.watch.on_removed(move || {
+        let mut map = DEVICES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let ours = map
+            .iter()
+            .find(|(_, v)| Weak::as_ptr(&weak) == Arc::as_ptr(v))
+            .map(|(k, _)| k.clone());
+        if let Some(k) = ours {
+            map.remove(&k);
+        }
+    });
     Ok(d)
+}
+
+/// Every device this process opened, by name (one context and PD each),
+/// until the device goes ([`DeviceWatch::removed`]).
+static DEVICES: OnceLock<Mutex<HashMap<String, Arc<OpenDevice>>>> = OnceLock::new();
+
+/// rdma_cm reported `DEVICE_REMOVAL` for an id on `name`: if the process
+/// has the device open, fail its connections and let the caches go
+/// (see `verbs::watch`).
+pub(crate) fn device_removed(name: &str) {
+    let d = DEVICES.get().and_then(|m| {
+        m.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(name)
+            .cloned()
+    });
+    if let Some(d) = d {
+        d.watch.removed();
+    }
 }
 
 /// The OS error of a failed `ibv_reg_mr` (errno kept: `ENOMEM` from

@@ -1,0 +1,303 @@
+//! Guest tests of a link and a device that change under running
+//! connections (rxe0 on veth0): the netdev down and up, idle and under
+//! traffic. Needs the guest, as root (it changes veth0); fails, never
+//! skips, without it.
+//!
+//! Compiled only with `--cfg tokio_rdma_guest` (`scripts/test` sets it).
+#![cfg(tokio_rdma_guest)]
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
+
+mod common;
+
+#[path = "../examples/shared/pattern.rs"]
+#[allow(dead_code)]
+mod shared;
+
+/// The netdev rxe0 is bound to (integration/softroce).
+const NETDEV: &str = "veth0";
+
+fn run(cmd: &str, args: &[&str]) {
+    let status = std::process::Command::new(cmd)
+        .args(args)
+        .status()
+        .expect("run");
+    assert!(status.success(), "{cmd} {args:?}: {status}");
+}
+
+fn addr() -> SocketAddr {
+    "10.11.0.1:0".parse().unwrap()
+}
+
+/// Keepalive short enough that a peer lost without a word is found in
+/// seconds (the default is 30 s).
+fn config() -> RdmaConfig {
+    RdmaConfig::default().keepalive(Some(Duration::from_secs(2)))
+}
+
+/// Whether the device's port 1 is active now (`ibv_query_port`).
+fn port_active() -> bool {
+    tokio_rdma::verbs::devices()
+        .expect("devices")
+        .iter()
+        .filter(|d| d.name == common::device())
+        .flat_map(|d| &d.ports)
+        .any(|p| p.state == tokio_rdma::verbs::PortState::Active)
+}
+
+/// Waits (up to 20 s) until the port is active and a stream connects
+/// and echoes; returns how many connects failed before.
+async fn wait_usable() -> u32 {
+    let t0 = Instant::now();
+    let mut failed = 0;
+    loop {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the device is not usable 20 s after the change"
+        );
+        if port_active() {
+            match tokio::time::timeout(Duration::from_secs(5), echo_once()).await {
+                Ok(Ok(())) => return failed,
+                Ok(Err(e)) => println!("connect after the change: {e:?}"),
+                Err(_) => println!("connect after the change: timed out"),
+            }
+            failed += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A new listener and a new stream in this process: 64 KiB echoed exact.
+async fn echo_once() -> std::io::Result<()> {
+    let l = RdmaListener::bind_with(addr(), &config()).await?;
+    let at = l.local_addr()?;
+    let accept = tokio::spawn(async move { l.accept().await.map(|(s, _)| s) });
+    let c = RdmaStream::connect_with(at, &config()).await;
+    let c = match c {
+        Ok(c) => c,
+        Err(e) => {
+            accept.abort();
+            return Err(e);
+        }
+    };
+    let s = accept.await.expect("accept task")?;
+    tokio::spawn(common::echo(s));
+    let (tx, stop) = tokio::sync::watch::channel(false);
+    let t = tokio::spawn(traffic(c, 99, stop));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    tx.send(true).unwrap();
+    let n = t.await.expect("traffic task").map_err(|(e, _)| e)?;
+    assert!(n > 0);
+    Ok(())
+}
+
+/// One connection's traffic: writes 16 KiB blocks of a pattern and reads
+/// the echo exact until `stop`, then shuts down and reads EOF; returns the
+/// bytes echoed, or the first error and when it came.
+async fn traffic(
+    mut c: RdmaStream,
+    seed: u8,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<u64, (std::io::Error, Instant)> {
+    let chunk = shared::pattern_vec(seed.into(), 16 * 1024);
+    let mut back = vec![0u8; chunk.len()];
+    let mut total = 0u64;
+    let at = |e| (e, Instant::now());
+    loop {
+        let (mut r, mut w) = c.split();
+        let (a, b) = tokio::join!(w.write_all(&chunk), r.read_exact(&mut back));
+        a.map_err(at)?;
+        b.map_err(at)?;
+        assert!(back == chunk, "echo exact");
+        total += chunk.len() as u64;
+        if *stop.borrow() {
+            break;
+        }
+    }
+    c.shutdown().await.map_err(at)?;
+    let mut rest = Vec::new();
+    c.read_to_end(&mut rest).await.map_err(at)?;
+    assert!(rest.is_empty(), "nothing after the echo");
+    Ok(total)
+}
+
+/// `n` streams to a listener of this process, each served by an echo task.
+async fn connections(n: usize) -> (RdmaListener, Vec<RdmaStream>) {
+    let l = RdmaListener::bind_with(addr(), &config())
+        .await
+        .expect("bind");
+    let at = l.local_addr().unwrap();
+    let mut out = Vec::new();
+    let cfg = config();
+    for _ in 0..n {
+        let (c, s) = tokio::join!(RdmaStream::connect_with(at, &cfg), l.accept());
+        out.push(c.expect("connect"));
+        tokio::spawn(common::echo(s.expect("accept").0));
+    }
+    (l, out)
+}
+
+/// The netdev down for `down`, then up; returns when `ip` set it up.
+fn link_down_for(down: Duration) {
+    run("ip", &["link", "set", NETDEV, "down"]);
+    std::thread::sleep(down);
+    run("ip", &["link", "set", NETDEV, "up"]);
+}
+
+/// 32 idle streams ride out the netdev down for 200 ms: each echoes
+/// exact afterwards and ends with EOF; the port's state changes are
+/// counted in `stats::ports`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_ride_out_a_short_link_down() {
+    let (_l, conns) = connections(32).await;
+    let before = port_changes();
+    tokio::task::spawn_blocking(|| link_down_for(Duration::from_millis(200)))
+        .await
+        .unwrap();
+    let failed = wait_usable().await;
+    println!("connects failed before the device was usable again: {failed}");
+    // PORT_ERR, then PORT_ACTIVE (rxe reports the port active once for
+    // the netdev's carrier and once more for its operational state).
+    let ports = tokio_rdma::stats::ports();
+    let p1 = ports.iter().find(|p| p.port == 1).expect("port 1 listed");
+    assert!(p1.active, "{p1:?}");
+    assert!(p1.changes >= before + 2, "{p1:?}, {before} before");
+    let (_tx, stop) = tokio::sync::watch::channel(true);
+    for (i, c) in conns.into_iter().enumerate() {
+        let r = traffic(c, i as u8, stop.clone()).await.map_err(|e| e.0);
+        assert_eq!(r.expect("an idle stream rides it out"), 16 * 1024);
+    }
+}
+
+/// Port 1's state changes counted so far (0 before any).
+fn port_changes() -> u64 {
+    tokio_rdma::stats::ports()
+        .iter()
+        .find(|p| p.port == 1 && p.device == common::device())
+        .map_or(0, |p| p.changes)
+}
+
+/// The netdev down for 10 s under 32 idle streams: each fails with
+/// `PortDown` once the port stayed down for the RC retry bound, every
+/// close returns, and once the link is up a new listener and stream in
+/// the same process work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_down_past_the_retry_bound_fails_each_connection_with_port_down() {
+    // The device opened (its PD and context are kept for the process),
+    // and the probe's connection closed.
+    wait_usable().await;
+    let t = Instant::now();
+    while tokio_rdma::stats::resources().queue_pairs + tokio_rdma::stats::resources().cm_ids > 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the probe connection closes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let start = tokio_rdma::stats::resources();
+    let fds = common::open_fds();
+    let (l, conns) = connections(32).await;
+    let at = l.local_addr().unwrap();
+    let bound = RdmaConfig::default().retry_bound();
+    let t0 = Instant::now();
+    let down = tokio::task::spawn_blocking(|| link_down_for(Duration::from_secs(10)));
+    for mut c in conns {
+        let mut buf = [0u8; 1];
+        let r = tokio::time::timeout(Duration::from_secs(8), c.read(&mut buf))
+            .await
+            .expect("the read fails while the link is still down");
+        let e = r.expect_err("no byte and no EOF");
+        assert_eq!(e.kind(), std::io::ErrorKind::NetworkDown, "{e:?}");
+        match e.get_ref().and_then(|e| e.downcast_ref::<Error>()) {
+            Some(Error::PortDown {
+                device,
+                port: 1,
+                after,
+            }) => {
+                assert_eq!(*device, common::device());
+                assert!(*after >= bound, "failed after {after:?}, bound {bound:?}");
+            }
+            other => panic!("expected PortDown, got {other:?}"),
+        }
+        // Closing returns at once.
+        tokio::time::timeout(Duration::from_secs(2), async { drop(c) })
+            .await
+            .expect("drop returns");
+    }
+    // A connect while the port is down fails at once, typed.
+    let e = RdmaStream::connect_with(at, &config())
+        .await
+        .expect_err("the port is down");
+    assert_eq!(e.kind(), std::io::ErrorKind::NetworkDown, "{e:?}");
+    assert!(
+        !down.is_finished(),
+        "the link came back before the checks: {:?}",
+        t0.elapsed()
+    );
+    let ports = tokio_rdma::stats::ports();
+    let p1 = ports.iter().find(|p| p.port == 1).expect("port 1 listed");
+    assert!(!p1.active, "{p1:?}");
+    down.await.unwrap();
+    drop(l);
+    let failed = wait_usable().await;
+    println!("connects failed before the device was usable again: {failed}");
+    // Every id kept while the port was down is gone once it is back.
+    common::assert_back_to(start, fds, 4, Duration::from_secs(20)).await;
+}
+
+/// Streams under traffic when the netdev goes down for 200 ms: each one
+/// either echoes exact to its end or fails with a typed error; none
+/// hangs, and new connections work afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_under_traffic_across_a_short_link_down_end_exact_or_typed() {
+    let (_l, conns) = connections(32).await;
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let tasks: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| tokio::spawn(traffic(c, i as u8, stop.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    tokio::task::spawn_blocking(|| link_down_for(Duration::from_millis(200)))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop_tx.send(true).unwrap();
+    let (mut ok, mut failed) = (0, 0);
+    for t in tasks {
+        // Keepalive (2 s) bounds how long a stream whose peer failed
+        // without a word can wait.
+        match tokio::time::timeout(Duration::from_secs(20), t).await {
+            Ok(Ok(Ok(n))) => {
+                assert!(n >= 16 * 1024);
+                ok += 1;
+            }
+            Ok(Ok(Err((e, at)))) => {
+                println!("{e:?} after {:?}", at - t0);
+                assert!(
+                    matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionAborted
+                            | std::io::ErrorKind::ConnectionReset
+                            | std::io::ErrorKind::NetworkDown
+                            | std::io::ErrorKind::TimedOut
+                    ),
+                    "{e:?}"
+                );
+                assert!(e.get_ref().is_some_and(|e| e.is::<Error>()), "typed: {e:?}");
+                failed += 1;
+            }
+            Ok(Err(e)) => panic!("traffic task: {e}"),
+            Err(_) => panic!("a stream hangs {:?} after the link went down", t0.elapsed()),
+        }
+    }
+    println!("{ok} streams ended exact, {failed} failed typed");
+    assert_eq!(ok + failed, 32);
+    let failed = wait_usable().await;
+    println!("connects failed before the device was usable again: {failed}");
+}
