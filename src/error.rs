@@ -280,8 +280,9 @@ pub enum Error {
     /// and stayed down for `after`, the connection's RC retry bound
     /// ([`RdmaConfig::retry_bound`](crate::RdmaConfig::retry_bound): what
     /// the transport itself waits before it gives a path up). A port that
-    /// comes back sooner fails nothing. Like TCP's `ENETDOWN`, maps to
-    /// [`io::ErrorKind::NetworkDown`].
+    /// comes back sooner fails nothing. A connect while the port is down
+    /// fails with it at once (`after`: how long it has been down). Like
+    /// TCP's `ENETDOWN`, maps to [`io::ErrorKind::NetworkDown`].
     #[error("port {port} of RDMA device {device} went down and stayed down for {after:?}")]
     PortDown {
         /// The device, for example `rxe0`.
@@ -295,8 +296,10 @@ pub enum Error {
     /// The device reported the connection's queue pair failed (the verbs
     /// async events `QP_FATAL`, `QP_REQ_ERR` or `QP_ACCESS_ERR`: a
     /// transport or access error the QP could not report through a work
-    /// completion). The QP is in the error state. Maps to
-    /// [`io::ErrorKind::ConnectionAborted`].
+    /// completion) and draining its CQ did not fail the connection with a
+    /// work completion's own error. The QP is in the error state. Never on
+    /// iWARP, where Soft-iWARP raises `QP_REQ_ERR` in a normal close. Maps
+    /// to [`io::ErrorKind::ConnectionAborted`].
     #[error("RDMA device {device} reported the queue pair failed ({event})")]
     QueuePairFatal {
         /// The device, for example `rxe0`.

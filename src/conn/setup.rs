@@ -371,11 +371,11 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     // fail now rather than send a connect request that cannot leave (and
     // that Soft-RoCE would pay for with its GSI QP, see `conn::shared`).
     let port = id.port_num();
-    if let Some(after) = dev.watch.down_for(port) {
+    if dev.port_down(port) {
         return Err(Error::PortDown {
             device: dev.name.clone(),
             port,
-            after,
+            after: dev.watch.down_for(port).unwrap_or_default(),
         });
     }
     let mut qp = setup.prepare(&dev, qp).await?;

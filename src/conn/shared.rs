@@ -23,7 +23,7 @@ use crate::error::Error;
 use crate::pool::MemoryPool;
 use crate::verbs::cm::{CmEventKind, CmId};
 use crate::verbs::events::DELEGATION_TICK;
-use crate::verbs::rc::RcQueuePair;
+use crate::verbs::rc::{OpenDevice, RcQueuePair};
 use crate::verbs::watch::{Registration, Watched};
 
 use super::SpinWait;
@@ -455,6 +455,17 @@ impl<D: Driven> Watched for Shared<D> {
         self.lock().fail(err);
         self.notify.notify_one();
     }
+
+    fn qp_failed(&self, err: Error, fail: bool) {
+        {
+            let mut st = self.lock();
+            st.progress();
+            if fail && st.alive() {
+                st.fail(err);
+            }
+        }
+        self.notify.notify_one();
+    }
 }
 
 /// The driver: progress on every completion event, rdma_cm events, the last
@@ -466,7 +477,7 @@ async fn drive<D: Driven>(
     linger: Duration,
     keepalive: Option<Duration>,
     // Unregistered from the device's watch when the driver ends.
-    watch: Registration,
+    _watch: Registration,
 ) {
     debug!("connection established");
     let _own = crate::verbs::tasks::OwnTask::new();
@@ -679,7 +690,8 @@ async fn drive<D: Driven>(
     // its netdev is down, after which no connection on the device can be
     // made until it is re-created. The id waits for the port instead.
     let port = id.port_num();
-    let port_down = watch.watch().down_for(port).is_some();
+    let device = Arc::clone(shared.lock().qp().device());
+    let port_down = device.port_down(port);
     if !port_down {
         let _ = id.disconnect();
     }
@@ -692,10 +704,9 @@ async fn drive<D: Driven>(
     // The QP and its memory are freed when the last handle's Arc drops;
     // rdma_destroy_id may block in the kernel, so it runs off the runtime.
     if port_down {
-        let watch = Arc::clone(watch.watch());
         debug!(port, "port down: the rdma_cm id waits for it to come back");
         tokio::spawn(async move {
-            watch.port_back(port).await;
+            port_back(&device, port).await;
             tokio::task::spawn_blocking(move || {
                 let _ = id.disconnect();
                 drop(id);
@@ -705,6 +716,18 @@ async fn drive<D: Driven>(
         tokio::task::spawn_blocking(move || drop(id));
     }
 }
+
+/// Returns once `port` of `device` is up again or the device is gone:
+/// at each port event, and every [`PORT_POLL`] (the event may lag).
+async fn port_back(device: &OpenDevice, port: u8) {
+    let mut changed = device.watch.subscribe();
+    while !device.watch.is_removed() && device.port_down(port) {
+        let _ = tokio::time::timeout(PORT_POLL, changed.changed()).await;
+    }
+}
+
+/// How often a closing connection waiting for its port looks at it.
+const PORT_POLL: Duration = Duration::from_millis(100);
 
 /// One application handle on a connection. The connection closes (a
 /// stream: FIN after the buffered data) when the last one drops.

@@ -27,7 +27,7 @@ use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::completion::BasicCompletionQueue;
 use sideway::ibverbs::device::{DeviceInfo as _, DeviceList, TransportType};
 use sideway::ibverbs::device_context::{
-    AllocateProtectionDomainErrorKind, AtomicCapability, DeviceContext,
+    AllocateProtectionDomainErrorKind, AtomicCapability, DeviceContext, PortState,
 };
 use sideway::ibverbs::memory_region::{
     MemoryRegion, RegisterMemoryRegionError, RegisterMemoryRegionErrorKind,
@@ -131,6 +131,18 @@ const SIW_MMAP_GUARD_CQE: u32 = 1 << 15;
 pub(crate) const SIW_VENDOR_ID: u32 = 0x62_6d74;
 
 impl OpenDevice {
+    /// Whether `port` is down now: its `PORT_ERR` came and no
+    /// `PORT_ACTIVE` since, or `ibv_query_port` says it is not active
+    /// (the event lags the link: Soft-RoCE fails sends as soon as its
+    /// netdev stops, before its `PORT_ERR` is read). False if the port
+    /// cannot be queried (a device gone: no message can leave it anyway).
+    pub(crate) fn port_down(&self, port: u8) -> bool {
+        self.watch.down_for(port).is_some()
+            || self.ctx.query_port(port).is_ok_and(|a| {
+                !matches!(a.port_state(), PortState::Active | PortState::ActiveDefer)
+            })
+    }
+
     /// Whether the device has type-2 memory windows.
     pub(crate) fn has_memory_windows(&self) -> bool {
         self.max_mw > 0
@@ -223,7 +235,7 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
     } else {
         None
     };
-    let watch = DeviceWatch::start(name, &ctx);
+    let watch = DeviceWatch::start(name, &ctx, immediate_data);
     let d = Arc::new(OpenDevice {
         name: name.to_string(),
         watch,

@@ -14,7 +14,7 @@
 //! |---|---|
 //! | `PORT_ERR` | the port is down: each connection on it fails with [`Error::PortDown`] once the port stayed down for the connection's RC retry bound (`RdmaConfig::retry_bound`, 0.47 s by default), unless `PORT_ACTIVE` came first; a connection with traffic in flight may fail earlier with the transport's retry-exceeded completion, as it would for any lost path |
 //! | `PORT_ACTIVE` | the port is up again: nothing fails |
-//! | `QP_FATAL`, `QP_REQ_ERR`, `QP_ACCESS_ERR` | that QP's connection fails with [`Error::QueuePairFatal`] |
+//! | `QP_FATAL`, `QP_REQ_ERR`, `QP_ACCESS_ERR` | that QP's connection drains its CQ at once (its flushed work completions fail it with their own error) and, if it is still alive, fails with [`Error::QueuePairFatal`]; on iWARP only the drain (Soft-iWARP raises `QP_REQ_ERR` in a normal close) |
 //! | `DEVICE_FATAL` | the device is removed (below) |
 //! | `CQ_ERR` | a `tracing` error (the crate sizes every CQ so it cannot overrun) |
 //! | `GID_CHANGE`, `LID_CHANGE`, `PKEY_CHANGE`, `SM_CHANGE`, `CLIENT_REREGISTER`, others | a `tracing` event only: bind and connect read the GID table afresh |
@@ -31,11 +31,10 @@
 //! buffer cache, the default message pool), so that once the application
 //! drops its connections, listeners and pools on the device, the crate
 //! holds nothing of it; the next connect or bind opens the device again if
-//! it came back. librdmacm keeps a context of its own on each device it
-//! resolved an address on (Debian 12's rdma-core 44 kept it open in the
-//! Soft-RoCE guest, even across `rdma_get_devices`, which re-reads the
-//! device list), so the kernel finishes an `rdma link delete` only when the process
-//! exits.
+//! it came back. librdmacm keeps a context of its own on the device,
+//! which the thread then asks it to close ([`release_rdma_cm`]); it does
+//! so only while another RDMA device is present, so with none left the
+//! kernel finishes an `rdma link delete` only when the process exits.
 
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -62,6 +61,11 @@ pub(crate) trait Watched: Send + Sync {
     /// Fails the connection with `err` (and wakes its tasks). Called from
     /// the watch thread, outside any runtime.
     fn fail_from_device(&self, err: Error);
+
+    /// The device reported the connection's QP failed: drain its CQ (the
+    /// QP's flushed work completions fail it with their own error) and,
+    /// if `fail` and it is still alive after that, fail it with `err`.
+    fn qp_failed(&self, err: Error, fail: bool);
 }
 
 /// One registered connection.
@@ -99,12 +103,19 @@ type RemovalHook = Box<dyn FnOnce() + Send>;
 pub(crate) struct DeviceWatch {
     name: String,
     inner: Mutex<Inner>,
-    removed: AtomicBool,
+    /// Shared with the thread, which outlives the watch after a removal.
+    removed: Arc<AtomicBool>,
     on_removed: Mutex<Vec<RemovalHook>>,
     /// Written to stop the thread (an eventfd), once the device is dropped.
     stop: Option<OwnedFd>,
     /// When the device was opened.
     opened: Instant,
+    /// Whether a QP event fails a connection that its completions left
+    /// alive: not on iWARP, where Soft-iWARP raises `QP_REQ_ERR` on a QP
+    /// whose peer closed its TCP connection, a normal close that rdma_cm's
+    /// DISCONNECTED reports too (failing there lost bytes the peer had
+    /// sent before it).
+    fail_on_qp_events: bool,
     /// Bumped at every port change and at the removal, for tasks waiting
     /// for a port to come back ([`DeviceWatch::port_back`]).
     changed: tokio::sync::watch::Sender<u64>,
@@ -211,13 +222,6 @@ pub(crate) struct Registration {
     token: u64,
 }
 
-impl Registration {
-    /// The watch of the connection's device.
-    pub(crate) fn watch(&self) -> &Arc<DeviceWatch> {
-        &self.watch
-    }
-}
-
 impl Drop for Registration {
     fn drop(&mut self) {
         lock(&self.watch.inner).conns.remove(&self.token);
@@ -228,7 +232,11 @@ impl DeviceWatch {
     /// The watch of a device just opened as `ctx`, with its thread. A
     /// watch whose thread cannot start (no eventfd, no thread) still
     /// works for removal by rdma_cm's event; the failure is logged.
-    pub(crate) fn start(name: &str, ctx: &Arc<DeviceContext>) -> Arc<DeviceWatch> {
+    pub(crate) fn start(
+        name: &str,
+        ctx: &Arc<DeviceContext>,
+        fail_on_qp_events: bool,
+    ) -> Arc<DeviceWatch> {
         // SAFETY: eventfd(2) with valid flags; the fd is owned below.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         // SAFETY: a fresh fd that nothing else owns.
@@ -237,10 +245,11 @@ impl DeviceWatch {
         let watch = Arc::new(DeviceWatch {
             name: name.to_string(),
             inner: Mutex::new(Inner::default()),
-            removed: AtomicBool::new(false),
+            removed: Arc::new(AtomicBool::new(false)),
             on_removed: Mutex::new(Vec::new()),
             stop,
             opened: Instant::now(),
+            fail_on_qp_events,
             changed: tokio::sync::watch::Sender::new(0),
         });
         lock(&WATCHES).retain(|w| w.strong_count() > 0);
@@ -254,9 +263,16 @@ impl DeviceWatch {
         };
         let ctx = Arc::clone(ctx);
         let weak = Arc::downgrade(&watch);
+        let removed = Arc::clone(&watch.removed);
+        let device = name.to_string();
         let spawned = std::thread::Builder::new()
             .name("tokio-rdma-watch".into())
-            .spawn(move || run(ctx, weak, stop_raw));
+            .spawn(move || {
+                run(ctx, weak, stop_raw);
+                if removed.load(Ordering::Acquire) {
+                    release_rdma_cm(&device);
+                }
+            });
         if let Err(e) = spawned {
             warn!(device = name, error = %e, "no watch thread: the device's async events are not read");
         }
@@ -269,10 +285,11 @@ impl DeviceWatch {
         Arc::new(DeviceWatch {
             name: name.to_string(),
             inner: Mutex::new(Inner::default()),
-            removed: AtomicBool::new(false),
+            removed: Arc::new(AtomicBool::new(false)),
             on_removed: Mutex::new(Vec::new()),
             stop: None,
             opened: Instant::now(),
+            fail_on_qp_events: true,
             changed: tokio::sync::watch::Sender::new(0),
         })
     }
@@ -318,14 +335,9 @@ impl DeviceWatch {
             .map(|p| p.since.elapsed())
     }
 
-    /// Returns once `port` is up (at once if it is) or the device is gone.
-    pub(crate) async fn port_back(&self, port: u8) {
-        let mut rx = self.changed.subscribe();
-        while self.down_for(port).is_some() && !self.is_removed() {
-            if rx.changed().await.is_err() {
-                return;
-            }
-        }
+    /// A receiver told of every port change and of the removal.
+    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 
     /// Whether the device is known to be going.
@@ -422,25 +434,20 @@ impl DeviceWatch {
     }
 
     fn qp_fatal(&self, qp_num: u32, event: &'static str) {
-        let hooks: Vec<_> = {
-            let mut inner = lock(&self.inner);
-            let tokens: Vec<u64> = inner
-                .conns
-                .iter()
-                .filter(|(_, c)| c.qp_num == qp_num)
-                .map(|(t, _)| *t)
-                .collect();
-            tokens
-                .into_iter()
-                .filter_map(|t| inner.conns.remove(&t))
-                .filter_map(|c| c.hook.upgrade())
-                .collect()
-        };
+        let hooks: Vec<_> = lock(&self.inner)
+            .conns
+            .values()
+            .filter(|c| c.qp_num == qp_num)
+            .filter_map(|c| c.hook.upgrade())
+            .collect();
         for h in hooks {
-            h.fail_from_device(Error::QueuePairFatal {
-                device: self.name.clone(),
-                event,
-            });
+            h.qp_failed(
+                Error::QueuePairFatal {
+                    device: self.name.clone(),
+                    event,
+                },
+                self.fail_on_qp_events,
+            );
         }
     }
 }
@@ -494,6 +501,37 @@ enum Seen {
     QpFatal { qp_num: u32, event: &'static str },
     DeviceFatal,
     Other { event: &'static str },
+}
+
+/// librdmacm keeps a context of its own on each device an id of the
+/// process resolved to, and closes that of a removed device only when it
+/// re-reads the device list (`rdma_get_devices`) with no id left on the
+/// device; and rdma-core (44 to 65) skips that re-read while no
+/// RDMA device is left at all. Until the context is closed the kernel
+/// cannot finish the removal. So after a removal, once the crate itself let
+/// go of the device (this thread dropped its context), ask librdmacm to
+/// re-read every 500 ms, until the device is gone from sysfs
+/// (`/sys/class/infiniband/NAME` goes last) or for a minute. With another
+/// device present the removal then completes; with none, only when the
+/// process exits. (`rdma_get_devices` opens a context of every device
+/// present, as librdmacm does for any device an id uses.)
+fn release_rdma_cm(name: &str) {
+    let ib = PathBuf::from("/sys/class/infiniband").join(name);
+    for _ in 0..120 {
+        let mut n = 0;
+        // SAFETY: `n` is writable; the list returned is freed once.
+        unsafe {
+            let list = rdma_mummy_sys::rdma_get_devices(&mut n);
+            if !list.is_null() {
+                rdma_mummy_sys::rdma_free_devices(list);
+            }
+        }
+        if !ib.exists() {
+            debug!(device = name, "the removed device is gone");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 /// The watch thread: reads and acknowledges every async event of `ctx`,
@@ -662,6 +700,11 @@ mod tests {
     impl Watched for Conn {
         fn fail_from_device(&self, err: Error) {
             self.0.lock().unwrap().push(format!("{err:?}"));
+        }
+        fn qp_failed(&self, err: Error, fail: bool) {
+            if fail {
+                self.fail_from_device(err);
+            }
         }
     }
     impl Conn {
