@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::io;
 use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use rdma_mummy_sys::{
     bind_mw_t, ibv_access_flags, ibv_modify_qp, ibv_mr, ibv_mw_bind_info, ibv_post_send,
@@ -254,18 +254,19 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         _counted_pd: Counted::new(Kind::ProtectionDomain),
     });
     map.insert(name.to_string(), Arc::clone(&d));
-    let weak = Arc::downgrade(&d);
+    // The entry goes with the device (not a device opened later under the
+    // same name).
+    let (key, ptr) = (name.to_string(), Arc::as_ptr(&d) as usize);
     d.watch.on_removed(move || {
         let mut map = DEVICES
             .get_or_init(Default::default)
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let ours = map
-            .iter()
-            .find(|(_, v)| Weak::as_ptr(&weak) == Arc::as_ptr(v))
-            .map(|(k, _)| k.clone());
-        if let Some(k) = ours {
-            map.remove(&k);
+        if map
+            .get(&key)
+            .is_some_and(|v| Arc::as_ptr(v) as usize == ptr)
+        {
+            map.remove(&key);
         }
     });
     Ok(d)

@@ -252,8 +252,11 @@ impl DeviceWatch {
             fail_on_qp_events,
             changed: tokio::sync::watch::Sender::new(0),
         });
-        lock(&WATCHES).retain(|w| w.strong_count() > 0);
-        lock(&WATCHES).push(Arc::downgrade(&watch));
+        {
+            let mut watches = lock(&WATCHES);
+            watches.retain(|w| w.strong_count() > 0);
+            watches.push(Arc::downgrade(&watch));
+        }
         let Some(stop_raw) = stop_raw else {
             warn!(
                 device = name,
