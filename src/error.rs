@@ -281,7 +281,9 @@ pub enum Error {
     /// ([`RdmaConfig::retry_bound`](crate::RdmaConfig::retry_bound): what
     /// the transport itself waits before it gives a path up). A port that
     /// comes back sooner fails nothing. A connect while the port is down
-    /// fails with it at once (`after`: how long it has been down). Like
+    /// fails with it at once, and so does a connection whose work request
+    /// failed while the port is down (Soft-RoCE fails a send at once while
+    /// its netdev is down); `after` is then how long it has been down. Like
     /// TCP's `ENETDOWN`, maps to [`io::ErrorKind::NetworkDown`].
     #[error("port {port} of RDMA device {device} went down and stayed down for {after:?}")]
     PortDown {

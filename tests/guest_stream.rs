@@ -453,8 +453,8 @@ fn hello_bytes(magic: u32, version: u16) -> Vec<u8> {
 }
 
 /// The wire protocol version this build speaks (`proto::handshake::VERSION`,
-/// crate-private): 9 since the hello's flags byte carries the capabilities.
-const PROTOCOL_VERSION: u16 = 11;
+/// crate-private): 12 since the hello's byte 28 carries the port's MTU.
+const PROTOCOL_VERSION: u16 = 12;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
@@ -464,8 +464,12 @@ async fn bad_handshakes_are_rejected_and_listener_keeps_serving() {
         let (s, _) = l.accept().await.unwrap();
         echo(s).await.unwrap()
     });
-    let cases: [(Vec<u8>, RejectReason); 3] = [
+    // A valid hello but for its path MTU code (6: no such `ibv_mtu`).
+    let mut bad_mtu = hello_bytes(0x544B_5244, PROTOCOL_VERSION);
+    bad_mtu[28] = 6;
+    let cases: [(Vec<u8>, RejectReason); 4] = [
         (hello_bytes(0xDEAD_BEEF, 1), RejectReason::BadMagic),
+        (bad_mtu, RejectReason::Malformed),
         (
             hello_bytes(0x544B_5244, 99),
             RejectReason::UnsupportedVersion,

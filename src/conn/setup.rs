@@ -380,7 +380,8 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     }
     let mut qp = setup.prepare(&dev, qp).await?;
     qp.as_mut().modify_to_init(&id)?;
-    let hello = setup.on_init(&mut qp)?;
+    let mut hello = setup.on_init(&mut qp)?;
+    hello.path_mtu = dev.port_path_mtu(port);
     // iWARP makes its TCP connection inside rdma_connect (Soft-iWARP's
     // `siw_connect` connects its kernel socket blocking): milliseconds on
     // a working wire, TCP's SYN retries (about two minutes) across a cut
@@ -430,7 +431,7 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     if !cm_moved_qp {
         let rc = qp.as_mut();
         rc.modify_to_init(&id)?;
-        rc.modify_to_rtr(&id)?;
+        rc.modify_to_rtr(&id, peer.path_mtu)?;
         rc.modify_to_rts(&id, cfg.ack_timeout, cfg.retry_count)?;
     }
     setup.on_rts(&mut qp).await?;
@@ -504,13 +505,14 @@ pub(crate) async fn accept_one<S: Setup>(
         }
     };
     qp.as_mut().modify_to_init(&id)?;
-    let hello = setup.on_init(&mut qp)?;
+    let mut hello = setup.on_init(&mut qp)?;
+    hello.path_mtu = qp.as_mut().device().port_path_mtu(id.port_num());
     if let Err(e) = peer.expect_compatible(&hello) {
         warn!(error = %e, "rejecting connection request");
         id.reject(&encode_reject(e.reject_reason()))?;
         return Ok(None);
     }
-    qp.as_mut().modify_to_rtr(&id)?;
+    qp.as_mut().modify_to_rtr(&id, peer.path_mtu)?;
     qp.as_mut()
         .modify_to_rts(&id, cfg.ack_timeout, cfg.retry_count)?;
     if let Err(e) = setup.on_rts(&mut qp).await {

@@ -273,6 +273,8 @@ pub(crate) struct Shared<D> {
     pub(crate) peer_addr: SocketAddr,
     /// The local QP number.
     pub(crate) qp_num: u32,
+    /// The path MTU both QPs use, bytes (0 on iWARP).
+    pub(crate) path_mtu: u32,
     /// The RDMA device, for example `rxe0`.
     pub(crate) device: String,
 }
@@ -414,6 +416,7 @@ pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
     let local_addr = s.id.local_addr().unwrap_or(s.fallback_addr);
     let peer_addr = s.id.peer_addr().unwrap_or(s.fallback_addr);
     let qp_num = s.state.qp().qp_num();
+    let path_mtu = s.state.qp().path_mtu();
     let shared = Arc::new(Shared {
         state: Mutex::new(s.state),
         notify: Notify::new(),
@@ -426,6 +429,7 @@ pub(crate) fn start<D: Driven>(s: Started<D>) -> Handle<D> {
         local_addr,
         peer_addr,
         qp_num,
+        path_mtu,
         device: s.device,
     });
     let span: Span = tracing::debug_span!(

@@ -250,10 +250,11 @@ impl MsgState {
                 } else {
                     "memory window bind or invalidation"
                 };
-                self.lost(Error::WorkCompletion {
+                let err = self.qp.qp_ref().wr_failure(Error::WorkCompletion {
                     op,
                     status: wc.status.code(),
                 });
+                self.lost(err);
             }
             return;
         }
@@ -301,10 +302,11 @@ impl MsgState {
             // REM_ACCESS_ERR on a READ: the announced range or rkey is not
             // (or no longer) registered for remote read at the peer: a bogus
             // announcement, or a peer that deregistered it by exiting.
-            self.lost(Error::WorkCompletion {
+            let err = self.qp.qp_ref().wr_failure(Error::WorkCompletion {
                 op,
                 status: wc.status.code(),
             });
+            self.lost(err);
             return;
         }
         if let Work::Recv(token) = wc.work {

@@ -559,6 +559,8 @@ impl Setup for MessageSetup {
             max_message_len: self.0.max_message_len,
             max_rendezvous_in_flight: self.0.max_rendezvous_in_flight,
             caps: device_caps(qp.qp.qp_ref().device()),
+            // Filled in by the handshake (`conn::setup`).
+            path_mtu: 0,
         })
     }
 
@@ -829,6 +831,16 @@ impl MessageEndpoint {
     /// The local queue pair number.
     pub fn qp_num(&self) -> u32 {
         self.conn.qp_num
+    }
+
+    /// The path MTU of the connection, bytes: 256, 512, 1024, 2048 or
+    /// 4096, the RDMA payload of every packet but a message's last. Both
+    /// sides use the same one, the smallest of their ports' active MTUs
+    /// (on RoCE, the netdev MTU less 96 bytes of headers rounded down to
+    /// one of those sizes) and rdma_cm's path record. 0 on iWARP, whose
+    /// TCP segments by its own MSS.
+    pub fn path_mtu(&self) -> u32 {
+        self.conn.path_mtu
     }
 
     /// The RDMA device, for example `rxe0`.

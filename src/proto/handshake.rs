@@ -13,7 +13,7 @@
 //! | offset | size | field        | value                                              |
 //! |-------:|-----:|--------------|----------------------------------------------------|
 //! | 0      | 4    | magic        | [`MAGIC`] = `0x544B_5244` (`"TKRD"`)               |
-//! | 4      | 2    | version      | [`VERSION`] = 11                                   |
+//! | 4      | 2    | version      | [`VERSION`] = 12                                   |
 //! | 6      | 1    | kind         | [`EndpointKind`]: 1 = byte stream, 2 = message     |
 //! | 7      | 1    | flags        | the sender's missing [`Capabilities`]: bit 0 no immediate data, bit 1 no memory windows, bit 2 no atomics; bits 3..7 0 (ignored on receipt) |
 //! | 8      | 8    | ring_addr    | byte stream: virtual address of the sender's receive ring; message endpoint: `max_message_len`, bytes, `1..=2^48` |
@@ -21,7 +21,8 @@
 //! | 20     | 4    | ring_len     | ring length in bytes, `1..=`[`MAX_RING_LEN`] (message endpoint: its receive buffers' length) |
 //! | 24     | 2    | recv_depth   | receive WRs kept posted, [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`] |
 //! | 26     | 2    | max_rendezvous_in_flight | message endpoint: rendezvous the sender accepts outstanding, at least 1; byte stream: 0 (ignored) |
-//! | 28     | 4    | reserved     | 0 (ignored on receipt)                             |
+//! | 28     | 1    | path_mtu     | the largest path MTU the sender's port carries, as `ibv_mtu` codes it: 1..=5 for 256, 512, 1024, 2048, 4096 bytes; 0 where the transport has none (iWARP: TCP segments) |
+//! | 29     | 3    | reserved     | 0 (ignored on receipt)                             |
 //!
 //! Capabilities are announced as what the sender's device lacks, so 0 is
 //! a full InfiniBand/RoCE device. Both sides must agree on immediate data
@@ -35,6 +36,17 @@
 //! smaller of the two `max_message_len` and `max_rendezvous_in_flight`
 //! values, so a sender never exceeds what the receiver accepts (a `send`
 //! above the agreed length fails locally with `InvalidInput`).
+//!
+//! So is the path MTU, the RDMA payload of every packet but a message's
+//! last: InfiniBand and RoCE require the first and middle packets of a
+//! message to carry exactly the responder QP's path MTU (IBTA vol. 1,
+//! 9.7.6.1.2 C9-86), so both QPs of a connection must use the same one, and
+//! a RoCE packet larger than either host's netdev MTU does not cross the
+//! wire. rdma_cm gives the passive side the active side's path MTU (the
+//! active host's netdev MTU, in the connect request), which can exceed what
+//! the passive host sends or receives; each side therefore announces its
+//! port's active MTU and both use [`agree_path_mtu`]: the smallest of the
+//! two and rdma_cm's.
 //!
 //! rdma_cm pads private data with zeros up to the transport's limit (56 bytes
 //! for a RoCE/IB `CONNECT_REQUEST`), so bytes after the first 32 are ignored.
@@ -74,8 +86,10 @@ pub const MAGIC: u32 = 0x544B_5244;
 /// frame, [`MessageCore::speak_first`](crate::proto::message::MessageCore::speak_first));
 /// version 11 adds a message endpoint's NOTIFY (immediate type `110`: an
 /// RDMA WRITE WITH IMMEDIATE into a grant,
-/// [`MsgImm::Notify`](crate::proto::message::MsgImm::Notify)).
-pub const VERSION: u16 = 11;
+/// [`MsgImm::Notify`](crate::proto::message::MsgImm::Notify)); version 12
+/// announces the sender's port MTU ([`Hello::path_mtu`]) and both sides use
+/// the smaller ([`agree_path_mtu`]).
+pub const VERSION: u16 = 12;
 
 /// What the sender's device offers, announced in a [`Hello`]'s flags byte
 /// as what it lacks (bit 0 no immediate data, bit 1 no memory windows,
@@ -230,6 +244,47 @@ pub struct Hello {
     pub max_rendezvous_in_flight: u16,
     /// What the sender's device offers (the flags byte).
     pub caps: Capabilities,
+    /// The largest path MTU the sender's port carries, bytes: 256, 512,
+    /// 1024, 2048 or 4096 (its `active_mtu`); 0 where the transport has no
+    /// path MTU (iWARP).
+    pub path_mtu: u32,
+}
+
+/// The `ibv_mtu` code of a path MTU in bytes (256 → 1, ..., 4096 → 5), 0
+/// for 0; `None` for any other length.
+pub fn mtu_code(bytes: u32) -> Option<u8> {
+    match bytes {
+        0 => Some(0),
+        256 => Some(1),
+        512 => Some(2),
+        1024 => Some(3),
+        2048 => Some(4),
+        4096 => Some(5),
+        _ => None,
+    }
+}
+
+/// The path MTU in bytes of an `ibv_mtu` code (1 → 256, ..., 5 → 4096), 0
+/// for 0; `None` for codes above 5.
+pub fn mtu_bytes(code: u8) -> Option<u32> {
+    match code {
+        0 => Some(0),
+        1..=5 => Some(128 << code),
+        _ => None,
+    }
+}
+
+/// The path MTU both QPs of a connection use, bytes: the smallest of
+/// rdma_cm's (`route`: the active host's, from its path record), this
+/// side's port `active_mtu` and the peer's announced
+/// [`Hello::path_mtu`], leaving out those that are 0 (not known); 0 if all
+/// are. Both sides compute the same value from the same three numbers.
+pub fn agree_path_mtu(route: u32, ours: u32, peer: u32) -> u32 {
+    [route, ours, peer]
+        .into_iter()
+        .filter(|&m| m != 0)
+        .min()
+        .unwrap_or(0)
 }
 
 impl Hello {
@@ -254,7 +309,10 @@ impl Hello {
         if self.kind == EndpointKind::Message {
             out[26..28].copy_from_slice(&self.max_rendezvous_in_flight.to_be_bytes());
         }
-        // 28..32 reserved, zero.
+        // A length that is no MTU announces none (the peer then keeps
+        // rdma_cm's); `Hello`s are built from the port's `active_mtu`.
+        out[28] = mtu_code(self.path_mtu).unwrap_or(0);
+        // 29..32 reserved, zero.
         out
     }
 
@@ -273,7 +331,8 @@ impl Hello {
     /// - [`HandshakeError::UnknownKind`] if the kind byte is not 1 or 2;
     /// - [`HandshakeError::InvalidRing`] if `ring_len` is 0 or above
     ///   [`MAX_RING_LEN`], or `recv_depth` is outside
-    ///   [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`].
+    ///   [`MIN_RECV_DEPTH`]`..=`[`MAX_RECV_DEPTH`];
+    /// - [`HandshakeError::InvalidPathMtu`] if the path MTU code is above 5.
     ///
     /// Whether the kind is the one the receiver expects is checked separately
     /// by [`Hello::expect_kind`].
@@ -335,6 +394,7 @@ impl Hello {
                 (0, ring_addr, rdv)
             }
         };
+        let path_mtu = mtu_bytes(b[28]).ok_or(HandshakeError::InvalidPathMtu { found: b[28] })?;
         Ok(Hello {
             kind,
             ring_addr,
@@ -344,6 +404,7 @@ impl Hello {
             max_message_len,
             max_rendezvous_in_flight,
             caps: Capabilities::from_flags(b[7]),
+            path_mtu,
         })
     }
 
@@ -432,6 +493,12 @@ pub enum HandshakeError {
         /// Which limit was violated.
         reason: &'static str,
     },
+    /// The path MTU byte is not an `ibv_mtu` code (0..=5).
+    #[error("handshake announces path MTU code {found}, expected 0..=5")]
+    InvalidPathMtu {
+        /// The byte found.
+        found: u8,
+    },
     /// One side's device carries immediate data and the other's does not
     /// (an iWARP device met an InfiniBand/RoCE one, which real links never
     /// join): the stream's messages cannot be exchanged.
@@ -450,16 +517,17 @@ pub enum HandshakeError {
 
 impl HandshakeError {
     /// The reason a server puts in its reject message for this error:
-    /// `Truncated` and `InvalidRing` → [`RejectReason::Malformed`],
+    /// `Truncated`, `InvalidRing` and `InvalidPathMtu` →
+    /// [`RejectReason::Malformed`],
     /// `BadMagic` → [`RejectReason::BadMagic`], `UnsupportedVersion` →
     /// [`RejectReason::UnsupportedVersion`], `UnknownKind` and `WrongKind` →
     /// [`RejectReason::WrongKind`], `ImmediateDataMismatch` →
     /// [`RejectReason::Incompatible`].
     pub fn reject_reason(&self) -> RejectReason {
         match self {
-            HandshakeError::Truncated { .. } | HandshakeError::InvalidRing { .. } => {
-                RejectReason::Malformed
-            }
+            HandshakeError::Truncated { .. }
+            | HandshakeError::InvalidRing { .. }
+            | HandshakeError::InvalidPathMtu { .. } => RejectReason::Malformed,
             HandshakeError::BadMagic { .. } => RejectReason::BadMagic,
             HandshakeError::UnsupportedVersion { .. } => RejectReason::UnsupportedVersion,
             HandshakeError::UnknownKind { .. } | HandshakeError::WrongKind { .. } => {
@@ -585,6 +653,7 @@ mod tests {
             max_message_len: 0,
             max_rendezvous_in_flight: 0,
             caps: Capabilities::FULL,
+            path_mtu: 1024,
         }
     }
 
@@ -598,6 +667,7 @@ mod tests {
             max_message_len: 128 << 20,
             max_rendezvous_in_flight: 8,
             caps: Capabilities::FULL,
+            path_mtu: 4096,
         }
     }
 
@@ -608,21 +678,78 @@ mod tests {
             bytes,
             [
                 0x54, 0x4B, 0x52, 0x44, // magic "TKRD"
-                0x00, 0x0B, // version
+                0x00, 0x0C, // version
                 0x01, // kind
                 0x00, // flags
                 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, // ring_addr
                 0x11, 0x22, 0x33, 0x44, // rkey
                 0x00, 0x00, 0x10, 0x03, // ring_len 4099
                 0x00, 0x40, // recv_depth 64
-                0x00, 0x00, 0x00, 0x00, 0x00, 0x00, // reserved
+                0x00, 0x00, // max_rendezvous_in_flight (byte stream: 0)
+                0x03, // path_mtu 1024
+                0x00, 0x00, 0x00, // reserved
             ]
         );
         assert_eq!(&bytes[0..4], b"TKRD");
         let m = sample_message().encode();
         assert_eq!(&m[8..16], &(128u64 << 20).to_be_bytes(), "max_message_len");
         assert_eq!(&m[26..28], &[0x00, 0x08], "max_rendezvous_in_flight");
+        assert_eq!(m[28], 5, "path_mtu 4096");
         assert_eq!(Hello::decode(&m), Ok(sample_message()));
+    }
+
+    #[test]
+    fn path_mtu_codes_are_ibv_mtu() {
+        let all = [(0, 0), (256, 1), (512, 2), (1024, 3), (2048, 4), (4096, 5)];
+        for (bytes, code) in all {
+            assert_eq!(mtu_code(bytes), Some(code), "{bytes}");
+            assert_eq!(mtu_bytes(code), Some(bytes), "{code}");
+            let mut h = sample();
+            h.path_mtu = bytes;
+            let enc = h.encode();
+            assert_eq!(enc[28], code);
+            assert_eq!(Hello::decode(&enc).unwrap().path_mtu, bytes);
+        }
+        assert_eq!(mtu_code(1500), None);
+        assert_eq!(mtu_code(9000), None);
+        assert_eq!(mtu_bytes(6), None);
+        // Not an MTU: announced as none.
+        let mut h = sample();
+        h.path_mtu = 1500;
+        assert_eq!(h.encode()[28], 0);
+    }
+
+    #[test]
+    fn an_unknown_path_mtu_code_is_malformed() {
+        for code in [6u8, 7, 0x80, 0xFF] {
+            let mut b = sample().encode();
+            b[28] = code;
+            let err = Hello::decode(&b).unwrap_err();
+            assert_eq!(err, HandshakeError::InvalidPathMtu { found: code });
+            assert_eq!(err.reject_reason(), RejectReason::Malformed);
+        }
+        // The reserved bytes after it stay ignored.
+        let mut b = sample().encode();
+        b[29..32].copy_from_slice(&[0xAA, 0xBB, 0xCC]);
+        assert_eq!(Hello::decode(&b), Ok(sample()));
+    }
+
+    #[test]
+    fn both_sides_agree_on_the_smallest_known_path_mtu() {
+        // RoCE hosts with netdev MTU 9000 (active 4096) and 1500 (1024):
+        // the active side's route says its own 4096, the passive side's
+        // route says the active side's 4096; both end at 1024.
+        assert_eq!(agree_path_mtu(4096, 4096, 1024), 1024);
+        assert_eq!(agree_path_mtu(4096, 1024, 4096), 1024);
+        // Active side at 1500: its route already says 1024.
+        assert_eq!(agree_path_mtu(1024, 1024, 4096), 1024);
+        assert_eq!(agree_path_mtu(1024, 4096, 1024), 1024);
+        // A peer that announces none (0) or a route that says none.
+        assert_eq!(agree_path_mtu(2048, 4096, 0), 2048);
+        assert_eq!(agree_path_mtu(0, 4096, 0), 4096);
+        assert_eq!(agree_path_mtu(0, 0, 0), 0);
+        // An InfiniBand path record smaller than both ports.
+        assert_eq!(agree_path_mtu(2048, 4096, 4096), 2048);
     }
 
     #[test]
@@ -668,7 +795,8 @@ mod tests {
         let mut padded = [0u8; 56];
         padded[..HELLO_LEN].copy_from_slice(&sample().encode());
         padded[7] = 0xF8; // the flags' reserved bits
-        padded[26..32].copy_from_slice(&[9, 9, 9, 9, 9, 9]); // reserved
+        padded[26..28].copy_from_slice(&[9, 9]); // byte stream: not read
+        padded[29..32].copy_from_slice(&[9, 9, 9]); // reserved
         padded[40] = 0xAB; // trailing garbage after the hello
         assert_eq!(Hello::decode(&padded), Ok(sample()));
     }
@@ -699,13 +827,13 @@ mod tests {
     #[test]
     fn hello_unsupported_version() {
         let mut bytes = sample().encode();
-        for found in [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12] {
+        for found in [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13] {
             bytes[4..6].copy_from_slice(&found.to_be_bytes());
             assert_eq!(
                 Hello::decode(&bytes),
                 Err(HandshakeError::UnsupportedVersion {
                     found,
-                    supported: 11
+                    supported: 12
                 })
             );
         }
@@ -789,6 +917,10 @@ mod tests {
                 HandshakeError::InvalidRing { reason: "x" },
                 RejectReason::Malformed,
             ),
+            (
+                HandshakeError::InvalidPathMtu { found: 6 },
+                RejectReason::Malformed,
+            ),
         ];
         for (err, reason) in cases {
             assert_eq!(err.reject_reason(), reason, "{err}");
@@ -800,7 +932,7 @@ mod tests {
     fn reject_round_trip_and_exact_bytes() {
         assert_eq!(
             encode_reject(RejectReason::UnsupportedVersion),
-            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x0B, 0x02, 0x00]
+            [0x54, 0x4B, 0x52, 0x44, 0x00, 0x0C, 0x02, 0x00]
         );
         for code in 0..=u8::MAX {
             let reason = RejectReason::from_code(code);

@@ -258,10 +258,11 @@ impl StreamState {
                 _ if matches!(wc.kind, WcKind::RecvImm | WcKind::Recv) => "receive",
                 _ => "RDMA WRITE WITH IMM",
             };
-            self.fail(Error::WorkCompletion {
+            let err = self.qp.rc().wr_failure(Error::WorkCompletion {
                 op,
                 status: wc.status.code(),
             });
+            self.fail(err);
             return 0;
         }
         match (wc.work, wc.kind) {
@@ -843,6 +844,8 @@ pub(crate) fn local_hello(qp: &StreamQp, cfg: &RdmaConfig) -> Hello {
         max_message_len: 0,
         max_rendezvous_in_flight: 0,
         caps: device_caps(qp.rc().device()),
+        // Filled in by the handshake (`conn::setup`).
+        path_mtu: 0,
     }
 }
 

@@ -215,7 +215,7 @@ pub(crate) fn gid_to_ip(gid: Ipv6Addr) -> IpAddr {
     }
 }
 
-fn mtu_bytes(mtu: sideway::ibverbs::device_context::Mtu) -> u32 {
+pub(crate) fn mtu_bytes(mtu: sideway::ibverbs::device_context::Mtu) -> u32 {
     use sideway::ibverbs::device_context::Mtu;
     match mtu {
         Mtu::Mtu256 => 256,

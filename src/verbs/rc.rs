@@ -143,6 +143,19 @@ impl OpenDevice {
             })
     }
 
+    /// The active MTU of `port`, bytes (256..=4096): what this side
+    /// announces as its path MTU in the handshake. 0 on iWARP (TCP
+    /// segments its stream; there is no path MTU to agree) and if the port
+    /// cannot be queried.
+    pub(crate) fn port_path_mtu(&self, port: u8) -> u32 {
+        if !self.immediate_data {
+            return 0;
+        }
+        self.ctx
+            .query_port(port)
+            .map_or(0, |a| crate::verbs::device::mtu_bytes(a.active_mtu()))
+    }
+
     /// Whether the device has type-2 memory windows.
     pub(crate) fn has_memory_windows(&self) -> bool {
         self.max_mw > 0
@@ -959,6 +972,10 @@ pub(crate) struct RcQueuePair {
     /// Keepalive or delivery probes posted whose completions were not
     /// polled yet.
     probes_outstanding: u32,
+    /// The agreed path MTU in bytes once in RTR ([`Self::path_mtu`]).
+    path_mtu: u32,
+    /// The device port rdma_cm bound the QP to (0 before INIT).
+    port: u8,
     /// This side connected (rdma_cm's active side), rather than accepted.
     initiator: bool,
     /// A receive WR completed successfully: the peer has sent a frame.
@@ -1042,6 +1059,8 @@ impl RcQueuePair {
             cq,
             events: Arc::new(events),
             probes_outstanding: 0,
+            path_mtu: 0,
+            port: 0,
             initiator: false,
             heard_from_peer: false,
             max_inline,
@@ -1258,12 +1277,65 @@ impl RcQueuePair {
 
     /// Moves the QP to INIT with rdma_cm's attributes for `id`.
     pub(crate) fn modify_to_init(&mut self, id: &CmId) -> Result<()> {
+        self.port = id.port_num();
         self.modify_from_cm(id, ibv_qp_state::IBV_QPS_INIT)
     }
 
-    /// Moves the QP to RTR (ready to receive) with rdma_cm's attributes.
-    pub(crate) fn modify_to_rtr(&mut self, id: &CmId) -> Result<()> {
-        self.modify_from_cm(id, ibv_qp_state::IBV_QPS_RTR)
+    /// The error a failed work request of this QP reports: `err`, or
+    /// [`Error::PortDown`] if the QP's port is down now, the cause that
+    /// names what to fix. Soft-RoCE fails every send at once while its
+    /// netdev is down (the WR completes with `LOC_QP_OP_ERR` instead of
+    /// being retransmitted), so a connection that sends during an outage
+    /// fails before the port watch's retry bound; a hardware NIC keeps
+    /// retransmitting, and the watch fails the connection with `PortDown`
+    /// once the port stayed down for the bound.
+    pub(crate) fn wr_failure(&self, err: Error) -> Error {
+        if self.port != 0
+            && matches!(err, Error::WorkCompletion { .. })
+            && self.device.port_down(self.port)
+        {
+            return Error::PortDown {
+                device: self.device.name.clone(),
+                port: self.port,
+                after: self.device.watch.down_for(self.port).unwrap_or_default(),
+            };
+        }
+        err
+    }
+
+    /// Moves the QP to RTR (ready to receive) with rdma_cm's attributes,
+    /// but the path MTU both sides agree on
+    /// ([`agree_path_mtu`](crate::proto::handshake::agree_path_mtu) of
+    /// rdma_cm's, this port's active MTU and `peer_mtu`, the peer's
+    /// announced one in bytes, 0 if none). Where rdma_cm sets no path MTU
+    /// (iWARP) nothing is changed and [`path_mtu`](Self::path_mtu) stays 0.
+    pub(crate) fn modify_to_rtr(&mut self, id: &CmId, peer_mtu: u32) -> Result<()> {
+        use crate::proto::handshake::{agree_path_mtu, mtu_bytes, mtu_code};
+        let (mut attr, mask) = id.init_qp_attr(ibv_qp_state::IBV_QPS_RTR)?;
+        let path_mtu_bit = rdma_mummy_sys::ibv_qp_attr_mask::IBV_QP_PATH_MTU.0 as i32;
+        let mut agreed = 0;
+        if mask & path_mtu_bit != 0 {
+            let route = u8::try_from(attr.path_mtu)
+                .ok()
+                .and_then(mtu_bytes)
+                .unwrap_or(0);
+            let ours = self.device.port_path_mtu(id.port_num());
+            agreed = agree_path_mtu(route, ours, peer_mtu);
+            if let Some(code) = mtu_code(agreed).filter(|&c| c != 0) {
+                attr.path_mtu = code.into();
+            }
+            tracing::debug!(route, ours, peer = peer_mtu, agreed, "path MTU");
+        }
+        self.modify(&mut attr, mask)?;
+        self.path_mtu = agreed;
+        Ok(())
+    }
+
+    /// The path MTU the QP uses, bytes (256..=4096; the RDMA payload of
+    /// each packet but a message's last), set when it moved to RTR; 0
+    /// before that and on iWARP.
+    pub(crate) fn path_mtu(&self) -> u32 {
+        self.path_mtu
     }
 
     /// Moves the QP to RTS (ready to send) with rdma_cm's attributes, but
