@@ -1152,6 +1152,13 @@ async fn o_a_link_down_on_one_host_fails_both_sides_typed_and_heals() {
         Role::Client => {
             echo_client(connect(PORT, &cfg).await, 32, 1).await;
             background_delivery_done().await;
+            // The warm-up's rdma_cm id is destroyed off the runtime after
+            // its QP: wait for it too (this side holds no other id).
+            let t = Instant::now();
+            while tokio_rdma::stats::resources().cm_ids > 0 {
+                assert!(t.elapsed() < Duration::from_secs(30), "the warm-up's id");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             let (start, fds) = (tokio_rdma::stats::resources(), open_fds());
             let mut streams = Vec::new();
             for k in 0..STREAMS {
