@@ -371,12 +371,8 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     // fail now rather than send a connect request that cannot leave (and
     // that Soft-RoCE would pay for with its GSI QP, see `conn::shared`).
     let port = id.port_num();
-    if dev.port_down(port) {
-        return Err(Error::PortDown {
-            device: dev.name.clone(),
-            port,
-            after: dev.watch.down_for(port).unwrap_or_default(),
-        });
+    if let Some(down) = dev.port_down_error(port) {
+        return Err(down);
     }
     let mut qp = setup.prepare(&dev, qp).await?;
     qp.as_mut().modify_to_init(&id)?;
@@ -431,7 +427,7 @@ async fn connect_inner<S: Setup>(addr: SocketAddr, setup: &S, stage: &Progress) 
     if !cm_moved_qp {
         let rc = qp.as_mut();
         rc.modify_to_init(&id)?;
-        rc.modify_to_rtr(&id, peer.path_mtu)?;
+        rc.modify_to_rtr(&id, hello.path_mtu, peer.path_mtu)?;
         rc.modify_to_rts(&id, cfg.ack_timeout, cfg.retry_count)?;
     }
     setup.on_rts(&mut qp).await?;
@@ -512,7 +508,8 @@ pub(crate) async fn accept_one<S: Setup>(
         id.reject(&encode_reject(e.reject_reason()))?;
         return Ok(None);
     }
-    qp.as_mut().modify_to_rtr(&id, peer.path_mtu)?;
+    qp.as_mut()
+        .modify_to_rtr(&id, hello.path_mtu, peer.path_mtu)?;
     qp.as_mut()
         .modify_to_rts(&id, cfg.ack_timeout, cfg.retry_count)?;
     if let Err(e) = setup.on_rts(&mut qp).await {

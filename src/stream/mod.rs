@@ -114,9 +114,9 @@ impl RdmaStream {
     /// The path MTU of the connection, bytes: 256, 512, 1024, 2048 or
     /// 4096, the RDMA payload of every packet but a message's last. Both
     /// sides use the same one, the smallest of their ports' active MTUs
-    /// (on RoCE, the netdev MTU less 96 bytes of headers rounded down to
-    /// one of those sizes) and rdma_cm's path record. 0 on iWARP, whose
-    /// TCP segments by its own MSS.
+    /// (on RoCE, the netdev MTU less the RoCE headers, rounded down to
+    /// one of those sizes: 1500 gives 1024, 9000 gives 4096) and rdma_cm's
+    /// path record. 0 on iWARP, whose TCP segments by its own MSS.
     pub fn path_mtu(&self) -> u32 {
         self.conn.path_mtu
     }

@@ -143,6 +143,17 @@ impl OpenDevice {
             })
     }
 
+    /// [`Error::PortDown`] for `port` if it is down now
+    /// ([`port_down`](Self::port_down)), with how long it has been down
+    /// (0 when only `ibv_query_port` says so); `None` if it is up.
+    pub(crate) fn port_down_error(&self, port: u8) -> Option<Error> {
+        self.port_down(port).then(|| Error::PortDown {
+            device: self.name.clone(),
+            port,
+            after: self.watch.down_for(port).unwrap_or_default(),
+        })
+    }
+
     /// The active MTU of `port`, bytes (256..=4096): what this side
     /// announces as its path MTU in the handshake. 0 on iWARP (TCP
     /// segments its stream; there is no path MTU to agree) and if the port
@@ -1290,26 +1301,20 @@ impl RcQueuePair {
     /// retransmitting, and the watch fails the connection with `PortDown`
     /// once the port stayed down for the bound.
     pub(crate) fn wr_failure(&self, err: Error) -> Error {
-        if self.port != 0
-            && matches!(err, Error::WorkCompletion { .. })
-            && self.device.port_down(self.port)
-        {
-            return Error::PortDown {
-                device: self.device.name.clone(),
-                port: self.port,
-                after: self.device.watch.down_for(self.port).unwrap_or_default(),
-            };
+        if self.port == 0 || !matches!(err, Error::WorkCompletion { .. }) {
+            return err;
         }
-        err
+        self.device.port_down_error(self.port).unwrap_or(err)
     }
 
     /// Moves the QP to RTR (ready to receive) with rdma_cm's attributes,
     /// but the path MTU both sides agree on
     /// ([`agree_path_mtu`](crate::proto::handshake::agree_path_mtu) of
-    /// rdma_cm's, this port's active MTU and `peer_mtu`, the peer's
-    /// announced one in bytes, 0 if none). Where rdma_cm sets no path MTU
-    /// (iWARP) nothing is changed and [`path_mtu`](Self::path_mtu) stays 0.
-    pub(crate) fn modify_to_rtr(&mut self, id: &CmId, peer_mtu: u32) -> Result<()> {
+    /// rdma_cm's, `ours`, the MTU this side announced (its port's,
+    /// [`OpenDevice::port_path_mtu`]) and `peer_mtu`, the peer's announced
+    /// one, in bytes, 0 if none). Where rdma_cm sets no path MTU (iWARP)
+    /// nothing is changed and [`path_mtu`](Self::path_mtu) stays 0.
+    pub(crate) fn modify_to_rtr(&mut self, id: &CmId, ours: u32, peer_mtu: u32) -> Result<()> {
         use crate::proto::handshake::{agree_path_mtu, mtu_bytes, mtu_code};
         let (mut attr, mask) = id.init_qp_attr(ibv_qp_state::IBV_QPS_RTR)?;
         let path_mtu_bit = rdma_mummy_sys::ibv_qp_attr_mask::IBV_QP_PATH_MTU.0 as i32;
@@ -1319,7 +1324,6 @@ impl RcQueuePair {
                 .ok()
                 .and_then(mtu_bytes)
                 .unwrap_or(0);
-            let ours = self.device.port_path_mtu(id.port_num());
             agreed = agree_path_mtu(route, ours, peer_mtu);
             if let Some(code) = mtu_code(agreed).filter(|&c| c != 0) {
                 attr.path_mtu = code.into();
