@@ -9,7 +9,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio_rdma::{Error, RdmaConfig, RdmaListener, RdmaStream};
 
 mod common;
@@ -95,34 +95,14 @@ async fn echo_once() -> std::io::Result<()> {
     Ok(())
 }
 
-/// One connection's traffic: writes 16 KiB blocks of a pattern and reads
-/// the echo exact until `stop`, then shuts down and reads EOF; returns the
-/// bytes echoed, or the first error and when it came.
+/// One connection's traffic: 16 KiB blocks of a pattern echoed exact
+/// until `stop` ([`common::echo_blocks_until`]).
 async fn traffic(
-    mut c: RdmaStream,
+    c: RdmaStream,
     seed: u8,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<u64, (std::io::Error, Instant)> {
-    let chunk = shared::pattern_vec(seed.into(), 16 * 1024);
-    let mut back = vec![0u8; chunk.len()];
-    let mut total = 0u64;
-    let at = |e| (e, Instant::now());
-    loop {
-        let (mut r, mut w) = c.split();
-        let (a, b) = tokio::join!(w.write_all(&chunk), r.read_exact(&mut back));
-        a.map_err(at)?;
-        b.map_err(at)?;
-        assert!(back == chunk, "echo exact");
-        total += chunk.len() as u64;
-        if *stop.borrow() {
-            break;
-        }
-    }
-    c.shutdown().await.map_err(at)?;
-    let mut rest = Vec::new();
-    c.read_to_end(&mut rest).await.map_err(at)?;
-    assert!(rest.is_empty(), "nothing after the echo");
-    Ok(total)
+    common::echo_blocks_until(c, shared::pattern_vec(seed.into(), 16 * 1024), stop).await
 }
 
 /// `n` streams to a listener of this process, each served by an echo task.

@@ -231,19 +231,49 @@ async fn background_delivery_done() {
     }
 }
 
-/// Removes the NIC's netem qdisc when dropped, so a test that fails with
-/// one installed does not leave the wire lossy for the tests after it.
-struct NetemGuard;
+/// A command (`DEV`: the wire NIC, `SOFTROCE_NIC`) run when dropped, its
+/// failure ignored: it puts back what a test changed on the wire (a netem
+/// qdisc, the MTU, the link state), so a test that fails midway leaves the
+/// wire working for the tests after it.
+struct RestoreNic(&'static [&'static str]);
 
-impl Drop for NetemGuard {
+impl RestoreNic {
+    /// Removes the netem qdisc.
+    fn netem() -> Self {
+        RestoreNic(&["tc", "qdisc", "del", "dev", "DEV", "root"])
+    }
+
+    /// The MTU back to 1500, what integration/softroce sets up.
+    fn mtu() -> Self {
+        RestoreNic(&["ip", "link", "set", "dev", "DEV", "mtu", "1500"])
+    }
+
+    /// The link up.
+    fn link_up() -> Self {
+        RestoreNic(&["ip", "link", "set", "dev", "DEV", "up"])
+    }
+}
+
+impl Drop for RestoreNic {
     fn drop(&mut self) {
         if let Ok(nic) = std::env::var("SOFTROCE_NIC") {
-            let _ = std::process::Command::new("tc")
-                .args(["qdisc", "del", "dev", &nic, "root"])
+            let _ = std::process::Command::new(self.0[0])
+                .args(self.0[1..].iter().map(|a| a.replace("DEV", &nic)))
                 .stderr(std::process::Stdio::null())
                 .status();
         }
     }
+}
+
+/// Runs `ip link set dev NIC ARGS` on the wire NIC and asserts it worked.
+fn ip_link_set(args: &[&str]) {
+    let nic = std::env::var("SOFTROCE_NIC").expect("SOFTROCE_NIC");
+    let st = std::process::Command::new("ip")
+        .args(["link", "set", "dev", &nic])
+        .args(args)
+        .status()
+        .unwrap();
+    assert!(st.success(), "ip link set dev {nic} {args:?}");
 }
 
 /// Runs `tc qdisc ARGS` (DEV is the wire NIC); `replace` installs netem
@@ -278,7 +308,7 @@ async fn d_loss_and_delay_lose_nothing() {
             background_delivery_done().await;
         }
         Role::Client => {
-            let _netem = NetemGuard;
+            let _netem = RestoreNic::netem();
             netem("replace dev DEV root netem loss 1% delay 5ms");
             echo_client(connect(PORT, &RdmaConfig::default()).await, 7, 64 << 20).await;
             let ep = retry(TRIES, || MessageEndpoint::connect(at(PORT + 1))).await;
@@ -314,7 +344,7 @@ async fn e_a_short_partition_heals() {
         }
         Role::Client => {
             let s = connect(PORT, &cfg).await;
-            let _netem = NetemGuard;
+            let _netem = RestoreNic::netem();
             netem("replace dev DEV root netem loss 0%");
             let echo = tokio::spawn(echo_client(s, 10, 16 << 20));
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -372,7 +402,7 @@ async fn f_a_long_partition_fails_both_sides() {
         }
         Role::Client => {
             let mut s = connect(PORT, &cfg).await;
-            let _netem = NetemGuard;
+            let _netem = RestoreNic::netem();
             netem("replace dev DEV root netem loss 0%");
             let chunk = pattern_buf(11, 64 * 1024);
             for _ in 0..16 {
@@ -607,7 +637,7 @@ async fn j_a_connect_across_a_partition_times_out() {
             let timeout = Duration::from_secs(3);
             let cfg = RdmaConfig::new().connect_timeout(timeout);
             let (err, took) = {
-                let _netem = NetemGuard;
+                let _netem = RestoreNic::netem();
                 netem("replace dev DEV root netem loss 100%");
                 let t = Instant::now();
                 let err = RdmaStream::connect_with(at(PORT), &cfg)
@@ -710,7 +740,7 @@ async fn k_rendezvous_echo_under_loss_completes_or_fails_typed() {
         }
         Role::Client => {
             let ep = retry(TRIES, || MessageEndpoint::connect_with(at(PORT), &cfg)).await;
-            let _netem = NetemGuard;
+            let _netem = RestoreNic::netem();
             netem("replace dev DEV root netem loss 1% delay 5ms");
             let outcome = tokio::time::timeout(ceiling, async {
                 let mut sent = std::collections::VecDeque::new();
@@ -937,12 +967,7 @@ async fn m_remote_memory_across_the_wire() {
 /// an IB MTU). Returns the port's active MTU in bytes (0 on iWARP, whose
 /// port MTU means nothing to a connection).
 async fn set_mtu(mtu: u32) -> u32 {
-    let nic = std::env::var("SOFTROCE_NIC").expect("SOFTROCE_NIC");
-    let st = std::process::Command::new("ip")
-        .args(["link", "set", "dev", &nic, "mtu", &mtu.to_string()])
-        .status()
-        .unwrap();
-    assert!(st.success(), "ip link set {nic} mtu {mtu}");
+    ip_link_set(&["mtu", &mtu.to_string()]);
     let want = port_mtu(mtu);
     if want == 0 {
         return 0;
@@ -978,20 +1003,6 @@ fn port_mtu(mtu: u32) -> u32 {
     }
 }
 
-/// Puts the wire NIC's MTU back (1500, what integration/softroce sets up)
-/// when dropped, so a failed MTU test leaves the wire as it was.
-struct MtuGuard;
-
-impl Drop for MtuGuard {
-    fn drop(&mut self) {
-        if let Ok(nic) = std::env::var("SOFTROCE_NIC") {
-            let _ = std::process::Command::new("ip")
-                .args(["link", "set", "dev", &nic, "mtu", "1500"])
-                .status();
-        }
-    }
-}
-
 /// Two hosts whose netdevs have different MTUs (a/b: 1500/9000, 9000/1500,
 /// 4200/1500): both ends of every connection use the same path MTU, the
 /// smaller port's (1024 bytes for a 1500-byte netdev on RoCE; 0 on
@@ -1009,7 +1020,7 @@ async fn n_hosts_with_different_mtus_agree_on_the_path_mtu() {
     const PORT: u16 = 7820;
     const CASES: [(u32, u32); 3] = [(1500, 9000), (9000, 1500), (4200, 1500)];
     const SIZES: [usize; 6] = [1, 1000, 4097, 65_536, 1 << 20, 8 << 20];
-    let _mtu = MtuGuard;
+    let _mtu = RestoreNic::mtu();
     for (i, (mtu_a, mtu_b)) in CASES.into_iter().enumerate() {
         let port = PORT + 3 * i as u16;
         match role() {
@@ -1072,29 +1083,9 @@ async fn n_hosts_with_different_mtus_agree_on_the_path_mtu() {
 
 /// Sets this guest's wire NIC down for `down`, then up again (blocking).
 fn wire_down_for(down: Duration) {
-    let nic = std::env::var("SOFTROCE_NIC").expect("SOFTROCE_NIC");
-    for (state, wait) in [("down", down), ("up", Duration::ZERO)] {
-        let st = std::process::Command::new("ip")
-            .args(["link", "set", "dev", &nic, state])
-            .status()
-            .unwrap();
-        assert!(st.success(), "ip link set {nic} {state}");
-        std::thread::sleep(wait);
-    }
-}
-
-/// Sets the wire NIC up when dropped (a failed link test leaves the wire
-/// working for the tests after it).
-struct LinkGuard;
-
-impl Drop for LinkGuard {
-    fn drop(&mut self) {
-        if let Ok(nic) = std::env::var("SOFTROCE_NIC") {
-            let _ = std::process::Command::new("ip")
-                .args(["link", "set", "dev", &nic, "up"])
-                .status();
-        }
-    }
+    ip_link_set(&["down"]);
+    std::thread::sleep(down);
+    ip_link_set(&["up"]);
 }
 
 /// The wire NIC of guest b goes down for 10 s under 8 idle streams, and
@@ -1169,7 +1160,7 @@ async fn o_a_link_down_on_one_host_fails_both_sides_typed_and_heals() {
                 assert_eq!(one, [k as u8]);
                 streams.push(s);
             }
-            let _up = LinkGuard;
+            let _up = RestoreNic::link_up();
             let t0 = Instant::now();
             let down = tokio::task::spawn_blocking(|| wire_down_for(DOWN));
             for (k, mut s) in streams.into_iter().enumerate() {
@@ -1283,7 +1274,7 @@ async fn p_a_short_link_down_on_one_host_rides_out_idle_streams() {
                 let s = connect(PORT, &cfg).await;
                 busy.push(tokio::spawn(blocks_until(s, 70 + k as u64, stop.clone())));
             }
-            let _up = LinkGuard;
+            let _up = RestoreNic::link_up();
             tokio::time::sleep(Duration::from_millis(300)).await;
             let t0 = Instant::now();
             tokio::task::spawn_blocking(|| wire_down_for(Duration::from_millis(200)))
@@ -1326,33 +1317,16 @@ async fn p_a_short_link_down_on_one_host_rides_out_idle_streams() {
     }
 }
 
-/// Writes 64 KiB blocks of a pattern and reads each echo back exact until
-/// `stop`, then shuts down and reads EOF; returns the bytes echoed, or the
-/// first error.
+/// 64 KiB blocks of a pattern echoed exact until `stop`
+/// ([`common::echo_blocks_until`]); the bytes echoed, or the first error.
 async fn blocks_until(
-    mut s: RdmaStream,
+    s: RdmaStream,
     seed: u64,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> io::Result<u64> {
-    let block = pattern_buf(seed, 64 * 1024);
-    let mut back = vec![0u8; block.len()];
-    let mut total = 0u64;
-    loop {
-        let (mut r, mut w) = s.split();
-        let (a, b) = tokio::join!(w.write_all(&block), r.read_exact(&mut back));
-        a?;
-        b?;
-        assert!(back == block, "echo exact");
-        total += block.len() as u64;
-        if *stop.borrow() {
-            break;
-        }
-    }
-    s.shutdown().await?;
-    let mut rest = Vec::new();
-    s.read_to_end(&mut rest).await?;
-    assert!(rest.is_empty(), "nothing after the echo");
-    Ok(total)
+    common::echo_blocks_until(s, pattern_buf(seed, 64 * 1024), stop)
+        .await
+        .map_err(|(e, _)| e)
 }
 
 /// Guest a is killed (the host crashes) while three connections to it are

@@ -174,3 +174,33 @@ pub async fn message_pair(
     );
     (c.expect("connect"), s.expect("accept").0)
 }
+
+/// Writes `block` and reads its echo back exact, again and again until
+/// `stop` is set, then shuts down and reads EOF (nothing after the echo);
+/// returns the bytes echoed, or the first error and when it came.
+pub async fn echo_blocks_until(
+    mut s: tokio_rdma::RdmaStream,
+    block: Vec<u8>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<u64, (std::io::Error, std::time::Instant)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut back = vec![0u8; block.len()];
+    let mut total = 0u64;
+    let at = |e| (e, std::time::Instant::now());
+    loop {
+        let (mut r, mut w) = s.split();
+        let (a, b) = tokio::join!(w.write_all(&block), r.read_exact(&mut back));
+        a.map_err(at)?;
+        b.map_err(at)?;
+        assert!(back == block, "echo exact");
+        total += block.len() as u64;
+        if *stop.borrow() {
+            break;
+        }
+    }
+    s.shutdown().await.map_err(at)?;
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).await.map_err(at)?;
+    assert!(rest.is_empty(), "nothing after the echo");
+    Ok(total)
+}
