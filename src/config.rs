@@ -316,6 +316,7 @@ impl RdmaConfig {
             share_cq: self.share_completion_queue,
             imm_in_send_without_immediate: true,
             trailer_without_immediate: false,
+            max_send_sge: 1,
         }
     }
 

@@ -26,7 +26,9 @@
 //!   ([`recv_incoming`](crate::MessageEndpoint::recv_incoming));
 //!   [`transfer`](crate::MessageEndpoint::transfer) posts up to
 //!   [`MAX_TRANSFER_BATCH`] READs and WRITEs ([`Transfer`]) with one
-//!   doorbell and one signaled completion;
+//!   doorbell and one signaled completion, a READ or WRITE of a batch
+//!   possibly over a scatter-gather list of [`LocalSge`] entries
+//!   ([`Transfer::ReadScatter`], [`Transfer::WriteGather`]);
 //!   [`read_to`](crate::MessageEndpoint::read_to) and
 //!   [`write_from`](crate::MessageEndpoint::write_from) (and
 //!   [`Transfer::ReadTo`]/[`Transfer::WriteFrom`]) read into and write from
@@ -369,8 +371,10 @@ impl LocalRegion {
 
 /// Most operations one [`MessageEndpoint::transfer`](crate::MessageEndpoint::transfer)
 /// batch posts: the send-queue slots a connection keeps for remote
-/// memory, 16.
-pub const MAX_TRANSFER_BATCH: usize = 16;
+/// memory, 32 (perftest's `--post_list` figure for doorbell batching in
+/// the reference, `ib_write_bw --post_list 32`; each slot is one
+/// send WQE more per connection).
+pub const MAX_TRANSFER_BATCH: usize = 32;
 
 /// One operation of a batch posted with one doorbell
 /// ([`MessageEndpoint::transfer`](crate::MessageEndpoint::transfer)).
@@ -426,6 +430,56 @@ pub enum Transfer<'a> {
         /// Bytes to write.
         len: usize,
     },
+    /// One RDMA READ of the list's total length at `offset` of `remote`
+    /// (READ access), scattered in place over `dst` in order: the first
+    /// entry's bytes first. One WR with one SGE per entry, zero-copy. At
+    /// most [`MessageEndpoint::max_read_sge`](crate::MessageEndpoint::max_read_sge)
+    /// entries (the QP's send SGEs and the device's `max_sge_rd`), each
+    /// at least 1 byte, 2 GiB in all.
+    ReadScatter {
+        /// The peer's grant.
+        remote: &'a RemoteRegion,
+        /// Offset in the grant, bytes.
+        offset: u64,
+        /// Where the bytes land, in order.
+        dst: &'a [LocalSge<'a>],
+    },
+    /// One RDMA WRITE at `offset` of `remote` (WRITE access) of the bytes
+    /// of `src` gathered in order, zero-copy: one WR with one SGE per
+    /// entry. At most
+    /// [`MessageEndpoint::max_sge`](crate::MessageEndpoint::max_sge)
+    /// entries, each at least 1 byte, 2 GiB in all.
+    WriteGather {
+        /// The peer's grant.
+        remote: &'a RemoteRegion,
+        /// Offset in the grant, bytes.
+        offset: u64,
+        /// The bytes to write, in order.
+        src: &'a [LocalSge<'a>],
+    },
+}
+
+/// One entry of a scatter-gather list ([`Transfer::ReadScatter`],
+/// [`Transfer::WriteGather`]): `len` bytes at `at` of a [`LocalRegion`],
+/// which the WR names by address, length and the region's lkey (an SGE,
+/// `struct ibv_sge`). Entries of one list may lie in different regions.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalSge<'a> {
+    /// The region: a buffer of the endpoint's pool, or memory registered
+    /// on its protection domain (as for
+    /// [`MessageEndpoint::read_to`](crate::MessageEndpoint::read_to)).
+    pub region: &'a LocalRegion,
+    /// Offset in the region, bytes.
+    pub at: usize,
+    /// Bytes, at least 1.
+    pub len: usize,
+}
+
+impl<'a> LocalSge<'a> {
+    /// `len` bytes at `at` of `region`.
+    pub fn new(region: &'a LocalRegion, at: usize, len: usize) -> Self {
+        LocalSge { region, at, len }
+    }
 }
 
 /// What [`MessageEndpoint::write_notify`](crate::MessageEndpoint::write_notify)

@@ -11,7 +11,7 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_rdma::remote::{GrantAccess, LocalRegion, RemoteRegion};
+use tokio_rdma::remote::{GrantAccess, LocalRegion, LocalSge, RemoteRegion};
 use tokio_rdma::remote::{MAX_TRANSFER_BATCH, Notification, Transfer};
 use tokio_rdma::{Error, Incoming, MessageConfig, MessageEndpoint};
 
@@ -636,14 +636,14 @@ async fn write_notify_lands_before_its_notification_in_message_order() {
     assert_eq!(after, head, "nothing written through the revoked grant");
 }
 
-/// `transfer`: 16 READs and WRITEs posted with one doorbell move exact
-/// bytes (the reads come back in batch order); more than 16, or one bad
+/// `transfer`: 32 READs and WRITEs posted with one doorbell move exact
+/// bytes (the reads come back in batch order); more than 32, or one bad
 /// operation, fails locally and posts nothing (the valid writes before
 /// it included).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfer_posts_a_batch_and_refuses_a_bad_one_whole() {
     let (client, server) = pair().await;
-    let size = MIB;
+    let size = 2 * MIB;
     let reg = region(&server, size, 8).await;
     let whole = shared::pattern_vec(8, size);
     let grant = server
@@ -651,16 +651,20 @@ async fn transfer_posts_a_batch_and_refuses_a_bad_one_whole() {
         .await
         .expect("grant");
     let remote = grant.remote();
-    let writes: Vec<(u64, Vec<u8>)> = (0..8u64)
+    // Half WRITEs, half READs, interleaved: a full batch. No READ
+    // overlaps a later WRITE: on iWARP a WRITE may be placed before an
+    // earlier READ of the same bytes was answered (RFC 5040, 5.5).
+    let pairs = (MAX_TRANSFER_BATCH / 2) as u64;
+    let writes: Vec<(u64, Vec<u8>)> = (0..pairs)
         .map(|k| {
             (
-                k * 65_536 + 3,
+                k * 131_072 + 3,
                 shared::pattern_vec(200 + k, 4096 + k as usize),
             )
         })
         .collect();
-    let reads: Vec<(u64, usize)> = (0..8u64)
-        .map(|k| (k * 65_536 + 32_771, 1 + 4093 * k as usize))
+    let reads: Vec<(u64, usize)> = (0..pairs)
+        .map(|k| (k * 131_072 + 65_539, 1 + 4093 * k as usize))
         .collect();
     let mut ops = Vec::new();
     for (w, r) in writes.iter().zip(&reads) {
@@ -677,7 +681,7 @@ async fn transfer_posts_a_batch_and_refuses_a_bad_one_whole() {
     }
     assert_eq!(ops.len(), MAX_TRANSFER_BATCH);
     let got = client.transfer(&ops).await.expect("the batch");
-    assert_eq!(got.len(), 8);
+    assert_eq!(got.len(), MAX_TRANSFER_BATCH / 2);
     for (bytes, &(offset, len)) in got.iter().zip(&reads) {
         let at = offset as usize;
         assert!(
@@ -984,6 +988,216 @@ async fn read_to_and_write_from_move_bytes_in_place_of_a_registered_region() {
     grant.revoke().await.expect("revoke");
 }
 
+/// Scatter-gather lists: one RDMA WRITE gathers entries of two regions at
+/// unaligned offsets and one RDMA READ scatters over them, exact bytes;
+/// the limits are what the device grants (rxe: the 4 asked for, READs as
+/// well; siw: READs take 1, its `max_sge_rd`), and a connection asking
+/// for 8 gets 8 on rxe. A list that is empty, one entry too long, has an
+/// empty entry or passes the grant fails locally with `InvalidInput` and
+/// posts nothing: the granted bytes are unchanged and the endpoint goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scatter_gather_lists_move_exact_bytes_and_bad_lists_post_nothing() {
+    let (client, server) = pair().await;
+    let size = MIB;
+    let reg = region(&server, size, 51).await;
+    let grant = server
+        .grant(&reg, 0..size, GrantAccess::READ | GrantAccess::WRITE)
+        .await
+        .expect("grant");
+    let remote = grant.remote();
+    let a = client
+        .pool()
+        .register_local(shared::pattern_vec(52, 64 * 1024))
+        .unwrap();
+    let b = client
+        .pool()
+        .register_local(shared::pattern_vec(53, 64 * 1024))
+        .unwrap();
+    assert_eq!(client.max_sge(), 4);
+    let read_sges = if common::iwarp() { 1 } else { 4 };
+    assert_eq!(client.max_read_sge(), read_sges);
+
+    // Gather: a 3 B..1003, b 17..4110, a 5000 (1 B), b 60000..65000.
+    let gather = [
+        LocalSge::new(&a, 3, 1000),
+        LocalSge::new(&b, 17, 4093),
+        LocalSge::new(&a, 5000, 1),
+        LocalSge::new(&b, 60_000, 5000),
+    ];
+    let mut expect = Vec::new();
+    for e in &gather {
+        let mut part = vec![0u8; e.len];
+        e.region.read_at(e.at, &mut part).unwrap();
+        expect.extend_from_slice(&part);
+    }
+    let at = 12_345usize;
+    let got = client
+        .transfer(&[Transfer::WriteGather {
+            remote: &remote,
+            offset: at as u64,
+            src: &gather,
+        }])
+        .await
+        .expect("gathered WRITE");
+    assert!(got.is_empty());
+    let mut landed = vec![0u8; expect.len()];
+    reg.read_at(at, &mut landed).unwrap();
+    assert!(landed == expect, "the gathered bytes, in list order");
+    let theirs = shared::pattern_vec(51, size);
+    let mut before = vec![0u8; 8];
+    reg.read_at(at - 8, &mut before).unwrap();
+    assert_eq!(before, theirs[at - 8..at], "nothing before the WRITE");
+    let end = at + expect.len();
+    let mut after = vec![0u8; 8];
+    reg.read_at(end, &mut after).unwrap();
+    assert_eq!(after, theirs[end..end + 8], "nothing after the WRITE");
+
+    // Scatter: 777.. of the grant over b 100 (7 B), a 2000 (3000 B),
+    // b 20000 (1 B), a 40000 (4096 B), as many as READs take.
+    let scatter_all = [
+        LocalSge::new(&b, 100, 7),
+        LocalSge::new(&a, 2000, 3000),
+        LocalSge::new(&b, 20_000, 1),
+        LocalSge::new(&a, 40_000, 4096),
+    ];
+    let scatter = &scatter_all[..read_sges];
+    let from = 777usize;
+    client
+        .transfer(&[Transfer::ReadScatter {
+            remote: &remote,
+            offset: from as u64,
+            dst: scatter,
+        }])
+        .await
+        .expect("scattered READ");
+    let mut pos = from;
+    for (i, e) in scatter.iter().enumerate() {
+        let mut part = vec![0u8; e.len];
+        e.region.read_at(e.at, &mut part).unwrap();
+        assert!(part == theirs[pos..pos + e.len], "entry {i}");
+        pos += e.len;
+    }
+
+    // Refused whole: nothing posted, nothing written.
+    let fresh = client.pool().register_local(vec![0xEEu8; 4096]).unwrap();
+    let five: Vec<LocalSge<'_>> = (0..5).map(|k| LocalSge::new(&fresh, k * 8, 8)).collect();
+    let bad: [(&str, Transfer<'_>); 5] = [
+        (
+            "empty list",
+            Transfer::WriteGather {
+                remote: &remote,
+                offset: 0,
+                src: &[],
+            },
+        ),
+        (
+            "one entry too many",
+            Transfer::WriteGather {
+                remote: &remote,
+                offset: 0,
+                src: &five,
+            },
+        ),
+        (
+            "an empty entry",
+            Transfer::WriteGather {
+                remote: &remote,
+                offset: 0,
+                src: &[LocalSge::new(&fresh, 0, 8), LocalSge::new(&fresh, 8, 0)],
+            },
+        ),
+        (
+            "past the grant",
+            Transfer::WriteGather {
+                remote: &remote,
+                offset: (size - 8) as u64,
+                src: &[LocalSge::new(&fresh, 0, 8), LocalSge::new(&fresh, 8, 1)],
+            },
+        ),
+        (
+            "past the local region",
+            Transfer::ReadScatter {
+                remote: &remote,
+                offset: 0,
+                dst: &[LocalSge::new(&fresh, 4000, 97)],
+            },
+        ),
+    ];
+    let whole_before = {
+        let mut v = vec![0u8; size];
+        reg.read_at(0, &mut v).unwrap();
+        v
+    };
+    for (what, op) in bad {
+        let e = client
+            .transfer(&[
+                Transfer::Write {
+                    remote: &remote,
+                    offset: 64,
+                    data: &[0x11; 64],
+                },
+                op,
+            ])
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{what}: {e}");
+    }
+    let mut whole_after = vec![0u8; size];
+    reg.read_at(0, &mut whole_after).unwrap();
+    assert!(
+        whole_after == whole_before,
+        "nothing written by a refused batch"
+    );
+    let mut untouched = vec![0u8; 4096];
+    fresh.read_at(0, &mut untouched).unwrap();
+    assert!(
+        untouched.iter().all(|&x| x == 0xEE),
+        "nothing read into the region"
+    );
+    let got = client
+        .read(&remote, 0, 64)
+        .await
+        .expect("the endpoint goes on");
+    assert!(got[..] == whole_before[..64]);
+
+    // A connection that asks for 8 entries gets them where the device
+    // has them (rxe: 32; siw: 6, and READs 1).
+    let (client8, server8) = common::message_pair(IP, &MessageConfig::new().max_sge(8)).await;
+    let want = if common::iwarp() { 6 } else { 8 };
+    assert_eq!(client8.max_sge(), want);
+    let reg8 = region(&server8, 64 * 1024, 54).await;
+    let grant8 = server8
+        .grant(&reg8, 0..64 * 1024, GrantAccess::WRITE)
+        .await
+        .expect("grant");
+    let remote8 = grant8.remote();
+    let src = client8
+        .pool()
+        .register_local(shared::pattern_vec(55, 4096))
+        .unwrap();
+    let list: Vec<LocalSge<'_>> = (0..want)
+        .map(|k| LocalSge::new(&src, 4096 - 100 * (k + 1), 100))
+        .collect();
+    client8
+        .transfer(&[Transfer::WriteGather {
+            remote: &remote8,
+            offset: 1,
+            src: &list,
+        }])
+        .await
+        .expect("a list of the most entries");
+    let mine = shared::pattern_vec(55, 4096);
+    let mut landed = vec![0u8; 100 * want];
+    reg8.read_at(1, &mut landed).unwrap();
+    for k in 0..want {
+        let from = 4096 - 100 * (k + 1);
+        assert!(
+            landed[k * 100..(k + 1) * 100] == mine[from..from + 100],
+            "entry {k}"
+        );
+    }
+}
+
 /// A batch dropped in flight (16 operations: 1 MiB READs into pool
 /// buffers, READs in place and WRITEs from a registered region): every
 /// buffer stays with the endpoint's ledger until its WR completed, so
@@ -1004,7 +1218,9 @@ async fn a_transfer_dropped_in_flight_keeps_every_buffer_until_its_completion() 
         .pool()
         .register_local(shared::pattern_vec(42, 8 * MIB))
         .unwrap();
-    let ops: Vec<Transfer<'_>> = (0..MAX_TRANSFER_BATCH)
+    // Half a full batch: 16 MiB in flight.
+    const OPS: usize = MAX_TRANSFER_BATCH / 2;
+    let ops: Vec<Transfer<'_>> = (0..OPS)
         .map(|k| match k % 3 {
             0 => Transfer::Read {
                 remote: &remote,
@@ -1060,7 +1276,7 @@ async fn a_transfer_dropped_in_flight_keeps_every_buffer_until_its_completion() 
     let back: Vec<u8> = memory_back(mine, "the region comes back once its WRs completed").await;
     // What the READs in place left: the granted bytes they read.
     let theirs = shared::pattern_vec(41, reg.len());
-    for k in (1..MAX_TRANSFER_BATCH).step_by(3) {
+    for k in (1..OPS).step_by(3) {
         let at = (k / 3) * MIB;
         assert!(
             back[at..at + MIB] == theirs[k * MIB..(k + 1) * MIB],

@@ -73,6 +73,8 @@ async fn message_endpoints_without_device_give_no_device_and_check_config() {
         ),
         (MessageConfig::new().send_queue_limit(0), "send_queue_limit"),
         (MessageConfig::new().send_queue_bytes(0), "send_queue_bytes"),
+        (MessageConfig::new().max_sge(0), "max_sge"),
+        (MessageConfig::new().max_sge(65), "max_sge"),
     ] {
         let err = MessageEndpoint::connect_with("10.11.0.1:7480", &cfg)
             .await

@@ -773,7 +773,14 @@ impl Driven for MsgState {
     /// the peer's CREDIT: no task waiting for room, posting or messages
     /// taken, nothing queued (a message `send()` deferred may be posted at
     /// the next completion), no work for a full send queue, RDMA READ in
-    /// flight, close or abort under way
+    /// flight, no remote-memory work waiting for an event
+    /// ([`MessageQp::remote_needs_events`]: a task waiting on its own
+    /// one-sided operation arms when it parks, so an operation that
+    /// completes before its task looks raises no event; when the driver
+    /// armed for every one, each woke the driver, on the multi-thread
+    /// runtime another worker that met the caller on the lock: one
+    /// driver wake-up and one lock wait per 8 B READ, 2.2x `ib_read_lat
+    /// -e` against 1.1x on current_thread), close or abort under way
     /// ([`MessageCore::awaits_send_completion`]), the peer's credit not
     /// low ([`MessageCore::credit_low`]), no keepalive probe in flight, no
     /// wait for pool memory (a completion may free some). A request's
@@ -790,7 +797,7 @@ impl Driven for MsgState {
             && !self.core.credit_low()
             && !self.qp.qp_ref().probe_outstanding()
             && !self.need_memory
-            && self.qp.remote_in_flight() == 0
+            && !self.qp.remote_needs_events()
     }
 
     /// Messages held until their send completes (an eager SEND's buffer,
@@ -1218,9 +1225,13 @@ impl MsgConn {
                 return Poll::Ready(Err(e));
             }
             if st.qp.poll_remote_slot(cx, need).is_pending() {
-                st.widen_arm();
-                self.ensure_tick(&st);
-                return Poll::Pending;
+                // A slot frees at a completion: arm for it (a waiter for a
+                // slot keeps the driver's arm wide: `remote_needs_events`).
+                st.progress_and_arm();
+                if st.qp.poll_remote_slot(cx, need).is_pending() {
+                    self.ensure_tick(&st);
+                    return Poll::Pending;
+                }
             }
             let Some(post) = post.take() else {
                 return Poll::Ready(Err(Error::Internal(
@@ -1228,8 +1239,10 @@ impl MsgConn {
                 )
                 .into()));
             };
+            // No arm here: the operation's waiter arms when it parks
+            // (`RemoteWait`), and one that completes before it looks
+            // raises no event to wake the driver for nothing.
             let r = post(&mut st.qp).map_err(io::Error::from);
-            st.widen_arm();
             self.ensure_tick(&st);
             Poll::Ready(r)
         })
@@ -1314,6 +1327,18 @@ impl MsgConn {
         self.lock().qp.grants_held()
     }
 
+    /// Scatter-gather entries one RDMA WRITE (or READ, `read`) of this
+    /// QP may carry.
+    pub(crate) fn max_sge(&self, read: bool) -> usize {
+        let st = self.lock();
+        let qp = st.qp.qp_ref();
+        (if read {
+            qp.max_read_sge()
+        } else {
+            qp.max_send_sge()
+        }) as usize
+    }
+
     /// Waits for remote WR `wr_id`: its local buffer on success. Dropping
     /// the future hands the buffer to the ledger.
     pub(crate) fn wait_remote(&self, wr_id: u64, op: &'static str) -> RemoteWait<'_> {
@@ -1337,53 +1362,87 @@ pub(crate) struct RemoteWait<'a> {
 impl std::future::Future for RemoteWait<'_> {
     type Output = io::Result<Vec<Local>>;
 
+    /// Drains the CQ, and while the WR has not completed arms it and
+    /// registers this task on its next event itself, as `recv` does
+    /// ([`MsgConn::wait_recv`]): the completion wakes the waiting task
+    /// without a hop through the driver task (on the multi-thread runtime
+    /// that hop put a second task wake-up, and with it another worker's
+    /// futex wake, into every one-sided operation: an 8 B READ took 2.2x
+    /// `ib_read_lat -e` there against 1.09x on current_thread,
+    /// benches/history/remote-in-place-2026-12-07.md). A task that drops
+    /// the future while registered leaves the event to the driver's tick
+    /// (see `Delegation`).
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         let mut st = this.conn.lock();
         st.drain();
         this.conn.nudge_if_failed(&st);
-        match st.qp.poll_remote(this.wr_id, cx) {
-            Poll::Ready(Some((WcStatus::Success, local))) => {
-                this.done = true;
-                Poll::Ready(Ok(local))
-            }
-            Poll::Ready(Some((status, _))) => {
-                this.done = true;
-                // A flush reports the connection's failure, not this WR's.
-                let err = match st.error_io() {
-                    Some(e) if status == WcStatus::Flushed => e,
-                    _ => Error::RemoteAccess {
-                        op: this.op,
-                        status: status.code(),
-                    }
-                    .into(),
-                };
-                Poll::Ready(Err(err))
-            }
-            Poll::Ready(None) => {
-                this.done = true;
-                Poll::Ready(Err(st
-                    .error_io()
-                    .unwrap_or_else(|| Error::PeerDisconnected.into())))
-            }
-            Poll::Pending => {
-                if let Some(e) = MsgConn::remote_dead(&st) {
-                    st.qp.abandon_remote(this.wr_id);
+        let mut armed = false;
+        loop {
+            match st.qp.poll_remote(this.wr_id, cx) {
+                Poll::Ready(Some((WcStatus::Success, local))) => {
                     this.done = true;
-                    return Poll::Ready(Err(e));
+                    if armed {
+                        st.qp.qp_ref().unpark();
+                    }
+                    return Poll::Ready(Ok(local));
                 }
-                st.widen_arm();
-                this.conn.ensure_tick(&st);
-                Poll::Pending
+                Poll::Ready(Some((status, _))) => {
+                    this.done = true;
+                    // A flush reports the connection's failure, not this WR's.
+                    let err = match st.error_io() {
+                        Some(e) if status == WcStatus::Flushed => e,
+                        _ => Error::RemoteAccess {
+                            op: this.op,
+                            status: status.code(),
+                        }
+                        .into(),
+                    };
+                    this.conn.nudge_if_failed(&st);
+                    return Poll::Ready(Err(err));
+                }
+                Poll::Ready(None) => {
+                    this.done = true;
+                    return Poll::Ready(Err(st
+                        .error_io()
+                        .unwrap_or_else(|| Error::PeerDisconnected.into())));
+                }
+                Poll::Pending => {}
+            }
+            if let Some(e) = MsgConn::remote_dead(&st) {
+                st.qp.abandon_remote(this.wr_id);
+                this.done = true;
+                return Poll::Ready(Err(e));
+            }
+            // Drain, arm, drain again (a completion between the first
+            // drain and the arm raises no event), then look again; once
+            // registered on the CQ's next event, wait.
+            st.progress_and_arm();
+            armed = true;
+            this.conn.nudge_if_failed(&st);
+            if st.qp.remote_done(this.wr_id) {
+                continue;
+            }
+            let events = st.qp.qp_ref().cq_events();
+            // Pending: registered for the CQ's next event; an error (the
+            // channel left the reactor) is left to the driver.
+            if !matches!(events.poll_take(cx), Poll::Ready(Ok(()))) {
+                break;
             }
         }
+        this.conn.ensure_tick(&st);
+        Poll::Pending
     }
 }
 
 impl Drop for RemoteWait<'_> {
+    /// Hands the operation's buffers to the ledger and arms the CQ for its
+    /// completion, which the driver then takes (`remote_needs_events`).
     fn drop(&mut self) {
         if !self.done {
-            self.conn.lock().qp.abandon_remote(self.wr_id);
+            let mut st = self.conn.lock();
+            st.qp.abandon_remote(self.wr_id);
+            st.widen_arm();
         }
     }
 }

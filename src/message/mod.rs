@@ -32,7 +32,7 @@
 //! The endpoint also carries the one-sided operations of
 //! [`crate::remote`] (grants, READ, WRITE, atomics, batches of up to
 //! [`MAX_TRANSFER_BATCH`] with one doorbell), on send-queue slots of
-//! their own (16), so they never wait for message credit. One of them
+//! their own (32), so they never wait for message credit. One of them
 //! is part of the message stream:
 //! [`write_notify`](MessageEndpoint::write_notify) is an RDMA WRITE WITH
 //! IMMEDIATE into a grant that the peer takes as an
@@ -116,7 +116,8 @@ use crate::proto::message::{
     NotifyWrite, RTS_HEADER_LEN, TRAILER_LEN, initial_recv_posted,
 };
 use crate::remote::{
-    Grant, GrantAccess, LocalRegion, MAX_TRANSFER_BATCH, Notification, RemoteRegion, Transfer,
+    Grant, GrantAccess, LocalRegion, LocalSge, MAX_TRANSFER_BATCH, Notification, RemoteRegion,
+    Transfer,
 };
 use crate::verbs::cm::CmId;
 use crate::verbs::rc::{OpenDevice, RcQueuePair, RcSizes};
@@ -200,7 +201,20 @@ pub struct MessageConfig {
     pub(crate) send_queue_bytes: u64,
     pub(crate) pool: Option<MemoryPool>,
     pub(crate) pool_quota: Option<u64>,
+    pub(crate) max_sge: u16,
 }
+
+/// Scatter-gather entries per one-sided WR a message endpoint asks for by
+/// default ([`MessageConfig::max_sge`]): 4, whose 64 bytes of SGEs fit in
+/// the send WQE's room for the default 64-byte inline data on rxe and
+/// mlx5 alike (a WQE is sized for the larger of the two), so the default
+/// costs no memory.
+pub const DEFAULT_MAX_SGE: u16 = 4;
+
+/// The most scatter-gather entries [`MessageConfig::max_sge`] accepts (a
+/// device grants at most its `max_sge`: 32 on Soft-RoCE, 6 on
+/// Soft-iWARP, 30 on ConnectX-5).
+pub const MAX_SGE: u16 = 64;
 
 impl Default for MessageConfig {
     fn default() -> Self {
@@ -214,6 +228,7 @@ impl Default for MessageConfig {
             send_queue_bytes: 4 << 20,
             pool: None,
             pool_quota: None,
+            max_sge: DEFAULT_MAX_SGE,
         }
     }
 }
@@ -338,6 +353,20 @@ impl MessageConfig {
         self
     }
 
+    /// Scatter-gather entries one one-sided WR may carry (default
+    /// [`DEFAULT_MAX_SGE`], 4; 1..=[`MAX_SGE`]): the longest list of a
+    /// [`Transfer::ReadScatter`] or [`Transfer::WriteGather`]. The QP is
+    /// created with this many send SGEs, at most the device's `max_sge`
+    /// (`ibv_devinfo -v`); an RDMA READ takes at most the device's
+    /// `max_sge_rd` as well (1 on Soft-iWARP).
+    /// [`MessageEndpoint::max_sge`] and [`MessageEndpoint::max_read_sge`]
+    /// give what the connection got. Each entry costs 16 bytes of every
+    /// send WQE beyond the inline data's room.
+    pub fn max_sge(mut self, entries: u16) -> Self {
+        self.max_sge = entries;
+        self
+    }
+
     /// The quota in bytes for an endpoint on `pool`.
     pub(crate) fn quota_for(&self, pool: &MemoryPool) -> u64 {
         self.pool_quota
@@ -393,6 +422,13 @@ impl MessageConfig {
                 field: "send_queue_limit",
                 value: 0,
                 allowed: "at least 1 message",
+            });
+        }
+        if self.max_sge == 0 || self.max_sge > MAX_SGE {
+            return Err(Error::InvalidConfig {
+                field: "max_sge",
+                value: self.max_sge.into(),
+                allowed: "1..=64 scatter-gather entries",
             });
         }
         if self.send_queue_bytes == 0 {
@@ -479,6 +515,7 @@ impl Setup for MessageSetup {
             share_cq: r.share_completion_queue,
             imm_in_send_without_immediate: false,
             trailer_without_immediate: true,
+            max_send_sge: u32::from(self.0.max_sge),
         }
     }
 
@@ -843,6 +880,19 @@ impl MessageEndpoint {
         self.conn.path_mtu
     }
 
+    /// Scatter-gather entries one [`Transfer::WriteGather`] may have:
+    /// [`MessageConfig::max_sge`], at most the device's `max_sge`.
+    pub fn max_sge(&self) -> usize {
+        self.conn.max_sge(false)
+    }
+
+    /// Scatter-gather entries one [`Transfer::ReadScatter`] may have:
+    /// [`max_sge`](Self::max_sge), at most the device's `max_sge_rd` (1
+    /// on Soft-iWARP).
+    pub fn max_read_sge(&self) -> usize {
+        self.conn.max_sge(true)
+    }
+
     /// The RDMA device, for example `rxe0`.
     pub fn device(&self) -> &str {
         &self.conn.device
@@ -1087,6 +1137,51 @@ impl MessageEndpoint {
         })
     }
 
+    /// A scatter-gather list as one WR's local memory, checked: 1 to
+    /// [`max_sge`](Self::max_sge) entries ([`max_read_sge`](Self::max_read_sge)
+    /// for a READ), each at least 1 byte inside a region this endpoint
+    /// may use; and the WR of its total length at `offset` of `remote`.
+    ///
+    /// # Errors
+    /// `InvalidInput` naming what is wrong; nothing is posted.
+    fn sge_list(
+        &self,
+        read: bool,
+        remote: &RemoteRegion,
+        offset: u64,
+        list: &[LocalSge<'_>],
+    ) -> io::Result<(RemoteWr, Local)> {
+        let op = rw_name(read);
+        let most = self.conn.max_sge(read);
+        if list.is_empty() || list.len() > most {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{op}: a scatter-gather list of {} entries (this connection takes 1 to {most})",
+                    list.len()
+                ),
+            ));
+        }
+        let mut total = 0usize;
+        let mut locals = Vec::with_capacity(list.len());
+        for (i, sge) in list.iter().enumerate() {
+            if sge.len == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{op}: scatter-gather entry {i} is empty"),
+                ));
+            }
+            locals.push(self.region_range(op, sge.region, sge.at, sge.len)?);
+            total = total.checked_add(sge.len).ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{op}: the scatter-gather list's length overflows"),
+                )
+            })?;
+        }
+        Ok((remote_rw(read, remote, offset, total)?, Local::List(locals)))
+    }
+
     /// Writes `data` at `offset` of `remote` (a grant of the peer's, with
     /// WRITE access) and tells the peer: it receives a
     /// [`Notification`] of `value` and `data.len()` from
@@ -1143,16 +1238,26 @@ impl MessageEndpoint {
     /// the bytes read, one buffer per [`Transfer::Read`], in `ops` order.
     /// A [`Transfer::Write`]'s data is copied into a pool buffer first;
     /// [`Transfer::ReadTo`] and [`Transfer::WriteFrom`] read into and write
-    /// from a [`LocalRegion`] in place (zero-copy; nothing is returned for
-    /// them). The pattern of transfer engines and of perftest's
-    /// `--post_list`.
+    /// from a [`LocalRegion`] in place, and [`Transfer::ReadScatter`] and
+    /// [`Transfer::WriteGather`] scatter over and gather from a list of
+    /// region ranges, one WR with an SGE per entry (zero-copy; nothing is
+    /// returned for them). The pattern of transfer engines and of
+    /// perftest's `--post_list`.
+    ///
+    /// The WRs are not fenced (`IBV_SEND_FENCE`): a WRITE may reach the
+    /// peer's memory before an earlier READ of the same bytes in the batch
+    /// was answered (seen on Soft-iWARP; RFC 5040, section 5.5, lets the
+    /// responder place it first), so a batch should not read bytes it also
+    /// writes later; put those in a batch of their own.
     ///
     /// # Errors
     /// `InvalidInput` (nothing posted) for more than
     /// [`MAX_TRANSFER_BATCH`] operations, or any operation that
     /// [`read`](Self::read), [`write`](Self::write),
     /// [`read_to`](Self::read_to) or [`write_from`](Self::write_from)
-    /// would refuse; a
+    /// would refuse, and a scatter-gather list that is empty, longer than
+    /// [`max_sge`](Self::max_sge) ([`max_read_sge`](Self::max_read_sge)
+    /// for a READ), or has an empty entry; a
     /// refusal by the peer's NIC fails the endpoint with
     /// [`Error::RemoteAccess`] naming the first refused operation; the
     /// pool's errors; `ConnectionReset` once the endpoint failed.
@@ -1215,6 +1320,22 @@ impl MessageEndpoint {
                 } => {
                     let wr = remote_rw(false, remote, offset, len)?;
                     let local = self.region_range(rw_name(false), src, at, len)?;
+                    (wr, Pending::Ready(local))
+                }
+                Transfer::ReadScatter {
+                    remote,
+                    offset,
+                    dst,
+                } => {
+                    let (wr, local) = self.sge_list(true, remote, offset, dst)?;
+                    (wr, Pending::Ready(local))
+                }
+                Transfer::WriteGather {
+                    remote,
+                    offset,
+                    src,
+                } => {
+                    let (wr, local) = self.sge_list(false, remote, offset, src)?;
                     (wr, Pending::Ready(local))
                 }
             });

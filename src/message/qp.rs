@@ -34,8 +34,10 @@ use crate::verbs::rc::{
 
 /// Send-queue slots kept for remote-memory work (one-sided operations,
 /// grant binds and revocations) beyond the protocol core's: at most this
-/// many such WRs are posted at once; more wait for a slot.
-pub(crate) const REMOTE_SLOTS: u16 = 16;
+/// many such WRs are posted at once; more wait for a slot. 32: a batch
+/// of [`MAX_TRANSFER_BATCH`](crate::remote::MAX_TRANSFER_BATCH) takes
+/// them all.
+pub(crate) const REMOTE_SLOTS: u16 = 32;
 
 /// Memory windows one connection may hold for grants at once (its quota;
 /// a device has a few thousand: rxe 8,192 by default).
@@ -250,27 +252,57 @@ pub(crate) enum Local {
         /// Length of the range, bytes.
         len: usize,
     },
+    /// A scatter-gather list of region ranges ([`Local::Region`] each),
+    /// in order: one WR's SGEs.
+    List(Vec<Local>),
+}
+
+/// The SGEs of one one-sided WR: one, or a scatter-gather list.
+enum Sges {
+    One(Sge),
+    List(Vec<Sge>),
+}
+
+impl Sges {
+    /// The first SGE (a zero-length one for an empty list, which
+    /// `remote_need` refuses before anything is built).
+    fn first(&self) -> Sge {
+        match self {
+            Sges::One(s) => *s,
+            Sges::List(l) => l.first().copied().unwrap_or(Sge {
+                addr: 0,
+                len: 0,
+                lkey: 0,
+            }),
+        }
+    }
 }
 
 impl Local {
+    /// The first byte's address (0 for a list, which has one per entry).
     fn addr(&self) -> u64 {
         match self {
             Local::Buf(b) => b.addr(),
             Local::Region { region, at, .. } => region.addr() + *at as u64,
+            Local::List(_) => 0,
         }
     }
 
+    /// Bytes it holds (a list: the sum of its entries').
     fn capacity(&self) -> usize {
         match self {
             Local::Buf(b) => b.capacity(),
             Local::Region { len, .. } => *len,
+            Local::List(l) => l.iter().map(Local::capacity).sum(),
         }
     }
 
+    /// Its lkey (0 for a list, which has one per entry).
     fn lkey(&self) -> u32 {
         match self {
             Local::Buf(b) => b.lkey(),
             Local::Region { region, .. } => region.lkey(),
+            Local::List(_) => 0,
         }
     }
 
@@ -278,7 +310,7 @@ impl Local {
     pub(crate) fn into_buf(self) -> Option<PoolBuf> {
         match self {
             Local::Buf(b) => Some(b),
-            Local::Region { .. } => None,
+            Local::Region { .. } | Local::List(_) => None,
         }
     }
 }
@@ -1042,32 +1074,48 @@ fn message_payload(
 
 /// The send-queue operation of one-sided WR `wr` over `sge`, and what the
 /// ledger records of it.
-fn remote_send_op(wr: RemoteWr, sge: Sge) -> (SendOp<'static>, PostedOp) {
-    match wr {
-        RemoteWr::Read { addr, rkey, .. } => (
-            SendOp::Read {
-                local: sge,
+fn remote_send_op(wr: RemoteWr, sges: &Sges) -> (SendOp<'_>, PostedOp) {
+    match (wr, sges) {
+        (RemoteWr::Read { addr, rkey, .. }, Sges::List(list)) => (
+            SendOp::ReadList {
+                local: list,
                 remote_addr: addr,
                 rkey,
             },
             PostedOp::Read,
         ),
-        RemoteWr::Write { addr, rkey, .. } => (
+        (RemoteWr::Read { addr, rkey, .. }, Sges::One(sge)) => (
+            SendOp::Read {
+                local: *sge,
+                remote_addr: addr,
+                rkey,
+            },
+            PostedOp::Read,
+        ),
+        (RemoteWr::Write { addr, rkey, .. }, _) => (
             SendOp::Write {
-                payload: SendPayload::Sge(sge),
+                payload: match sges {
+                    Sges::One(sge) => SendPayload::Sge(*sge),
+                    Sges::List(list) => SendPayload::SgeList(list),
+                },
                 remote_addr: addr,
                 rkey,
             },
             PostedOp::Write,
         ),
-        RemoteWr::CompareSwap {
-            addr,
-            rkey,
-            compare,
-            swap,
-        } => (
+        // An atomic's local memory is one 8-byte buffer (`remote_need`
+        // refuses a list for it).
+        (
+            RemoteWr::CompareSwap {
+                addr,
+                rkey,
+                compare,
+                swap,
+            },
+            _,
+        ) => (
             SendOp::CompareSwap {
-                local: sge,
+                local: sges.first(),
                 remote_addr: addr,
                 rkey,
                 compare,
@@ -1075,9 +1123,9 @@ fn remote_send_op(wr: RemoteWr, sge: Sge) -> (SendOp<'static>, PostedOp) {
             },
             PostedOp::Atomic,
         ),
-        RemoteWr::FetchAdd { addr, rkey, add } => (
+        (RemoteWr::FetchAdd { addr, rkey, add }, _) => (
             SendOp::FetchAdd {
-                local: sge,
+                local: sges.first(),
                 remote_addr: addr,
                 rkey,
                 add,
@@ -1138,10 +1186,20 @@ impl MessageQp {
         Work::Remote(self.next_remote).wr_id()
     }
 
-    /// Remote-memory WRs posted and not known complete (those whose
-    /// future was dropped included).
-    pub(crate) fn remote_in_flight(&self) -> usize {
-        self.remote.len()
+    /// Whether remote-memory work waits for a completion event: an
+    /// operation whose task parked on it (registered its waker) or whose
+    /// future was dropped (its buffers wait in the ledger for the
+    /// completion), a revocation of a dropped grant (posted, or queued for
+    /// a slot), a task waiting for a slot. An operation whose task has
+    /// not parked yet needs none: the task polls the CQ before it parks,
+    /// and arms it then (`RemoteWait`).
+    pub(crate) fn remote_needs_events(&self) -> bool {
+        !self.pending_revokes.is_empty()
+            || !self.remote_waiters.is_empty()
+            || self
+                .remote
+                .values()
+                .any(|o| o.status.is_none() && (o.abandoned || o.waker.is_some()))
     }
 
     /// Remote-memory WRs whose completion has not come yet (a one-sided
@@ -1213,6 +1271,28 @@ impl MessageQp {
                 8
             }
         };
+        if let Local::List(list) = local {
+            let most = match wr {
+                RemoteWr::Read { .. } => self.qp.max_read_sge(),
+                RemoteWr::Write { .. } => self.qp.max_send_sge(),
+                RemoteWr::CompareSwap { .. } | RemoteWr::FetchAdd { .. } => 0,
+            };
+            if list.is_empty()
+                || list.len() > most as usize
+                || list.iter().any(|l| !matches!(l, Local::Region { .. }))
+            {
+                return Err(internal(format!(
+                    "a scatter-gather list of {} entries (at most {most} region ranges)",
+                    list.len()
+                )));
+            }
+            if need != local.capacity() {
+                return Err(internal(format!(
+                    "remote operation of {need} bytes with a scatter-gather list of {}",
+                    local.capacity()
+                )));
+            }
+        }
         if need > local.capacity() {
             return Err(internal(format!(
                 "remote operation of {need} bytes with a local buffer of {}",
@@ -1222,13 +1302,14 @@ impl MessageQp {
         Ok(need)
     }
 
-    /// The SGE of a one-sided WR over the first `need` bytes of `local`,
-    /// and, without windows, a READ's sink registered over exactly those
+    /// The SGEs of a one-sided WR over the first `need` bytes of `local`
+    /// (every entry of a list, whose length `remote_need` checked), and,
+    /// without windows, a READ's sinks registered over exactly those
     /// bytes (see `ScopedKeys::sinks`), to keep with the operation until
     /// its completion.
     ///
     /// # Safety
-    /// `local` must stay allocated until the returned sink is dropped
+    /// `local` must stay allocated until the returned sinks are dropped
     /// (the operation's entry holds both, and `remote_completed` drops
     /// the sinks before the ledger or the future lets the buffer go).
     unsafe fn remote_sge(
@@ -1236,22 +1317,38 @@ impl MessageQp {
         wr: RemoteWr,
         local: &Local,
         need: usize,
-    ) -> Result<(Sge, Option<MemoryRegistration>)> {
-        let sink = match wr {
-            RemoteWr::Read { .. } if self.qp.has_own_pd() => {
+    ) -> Result<(Sges, Vec<MemoryRegistration>)> {
+        let scoped = matches!(wr, RemoteWr::Read { .. }) && self.qp.has_own_pd();
+        let mut sinks = Vec::new();
+        let mut sge = |this: &mut Self, addr: u64, len: usize, lkey: u32| -> Result<Sge> {
+            let lkey = if scoped {
                 // SAFETY: the caller keeps `local` until the sink drops.
-                Some(unsafe {
-                    self.register_scoped(local.addr(), need as u64, MrAccess::LocalWriteRemoteWrite)
-                }?)
+                let sink = unsafe {
+                    this.register_scoped(addr, len as u64, MrAccess::LocalWriteRemoteWrite)
+                }?;
+                let lkey = sink.lkey();
+                sinks.push(sink);
+                lkey
+            } else {
+                lkey
+            };
+            Ok(Sge {
+                addr,
+                len: len as u32,
+                lkey,
+            })
+        };
+        let sges = match local {
+            Local::List(list) => {
+                let mut out = Vec::with_capacity(list.len());
+                for l in list {
+                    out.push(sge(self, l.addr(), l.capacity(), l.lkey())?);
+                }
+                Sges::List(out)
             }
-            _ => None,
+            _ => Sges::One(sge(self, local.addr(), need, local.lkey())?),
         };
-        let sge = Sge {
-            addr: local.addr(),
-            len: need as u32,
-            lkey: sink.as_ref().map_or(local.lkey(), |m| m.lkey()),
-        };
-        Ok((sge, sink))
+        Ok((sges, sinks))
     }
 
     /// Posts one signaled one-sided WR with `local` as its local buffer
@@ -1267,8 +1364,8 @@ impl MessageQp {
     pub(crate) fn post_remote(&mut self, wr: RemoteWr, local: Local) -> Result<u64> {
         let need = self.remote_need(wr, &local)?;
         // SAFETY: `local` goes into this operation's entry with the sink.
-        let (sge, sink) = unsafe { self.remote_sge(wr, &local, need) }?;
-        let (op, posted) = remote_send_op(wr, sge);
+        let (sges, sinks) = unsafe { self.remote_sge(wr, &local, need) }?;
+        let (op, posted) = remote_send_op(wr, &sges);
         let wr_id = self.remote_wr_id();
         let wrs = [SendWr {
             wr_id,
@@ -1293,7 +1390,7 @@ impl MessageQp {
         self.ledger.record(wr_id, posted, Some(wr_id));
         let entry = RemoteEntry {
             locals: vec![local],
-            sinks: sink.into_iter().collect(),
+            sinks,
             status: None,
             wrs: 1,
         };
@@ -1323,27 +1420,30 @@ impl MessageQp {
         }
         let reads_complete_late = self.qp.device().reads_complete_late;
         let last = batch.len() - 1;
-        let mut wrs = Vec::with_capacity(batch.len());
+        let mut built = Vec::with_capacity(batch.len());
         let mut records = Vec::with_capacity(batch.len());
         let mut locals = Vec::with_capacity(batch.len());
         let mut sinks = Vec::new();
-        for (i, (wr, local)) in batch.into_iter().enumerate() {
+        for (wr, local) in batch {
             let need = self.remote_need(wr, &local)?;
             // SAFETY: `local` goes into this operation's entry with the
-            // sink (below).
-            let (sge, sink) = unsafe { self.remote_sge(wr, &local, need) }?;
+            // sinks (below).
+            let (sges, sink) = unsafe { self.remote_sge(wr, &local, need) }?;
             sinks.extend(sink);
-            let (op, posted) = remote_send_op(wr, sge);
-            let wr_id = self.remote_wr_id();
+            built.push((wr, sges, self.remote_wr_id()));
+            locals.push(local);
+        }
+        let mut wrs = Vec::with_capacity(built.len());
+        for (i, (wr, sges, wr_id)) in built.iter().enumerate() {
+            let (op, posted) = remote_send_op(*wr, sges);
             wrs.push(SendWr {
-                wr_id,
+                wr_id: *wr_id,
                 signaled: i == last || (posted == PostedOp::Read && reads_complete_late),
                 solicited: false,
                 op,
             });
-            debug_assert!(records.last().is_none_or(|&(prev, _)| prev + 1 == wr_id));
-            records.push((wr_id, posted));
-            locals.push(local);
+            debug_assert!(records.last().is_none_or(|&(prev, _)| prev + 1 == *wr_id));
+            records.push((*wr_id, posted));
         }
         // SAFETY: each SGE names its WR's `local`, a pool buffer or a
         // region's range registered with local write on this QP's PD (the
@@ -1400,6 +1500,12 @@ impl MessageQp {
         let op = self.remote.remove(&wr_id).expect("checked above");
         self.remote_slot_freed();
         Poll::Ready(op.status.map(|s| (s, op.locals)))
+    }
+
+    /// Whether remote WR `wr_id`'s completion came (or the WR is gone):
+    /// [`poll_remote`](Self::poll_remote) is Ready for it.
+    pub(crate) fn remote_done(&self, wr_id: u64) -> bool {
+        self.remote.get(&wr_id).is_none_or(|op| op.status.is_some())
     }
 
     /// The future waiting for remote WR `wr_id` was dropped (or gave up on

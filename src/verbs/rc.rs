@@ -61,6 +61,12 @@ pub(crate) struct OpenDevice {
     /// The most entries one CQ may have (`ibv_device_attr::max_cqe`; 0 if
     /// unknown).
     pub(crate) max_cqe: u32,
+    /// Scatter-gather entries per send-queue WR (`ibv_device_attr::max_sge`;
+    /// 1 if unknown).
+    pub(crate) max_sge: u32,
+    /// Scatter-gather entries per RDMA READ WR
+    /// (`ibv_device_attr::max_sge_rd`; 1 if unknown; Soft-iWARP has 1).
+    pub(crate) max_sge_rd: u32,
     /// The device's object limits, for typed resource errors.
     pub(crate) limits: DeviceLimits,
     /// Whether the device executes RDMA atomics (`atomic_cap` other than
@@ -228,6 +234,9 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         .as_ref()
         .map(|a| u32::try_from(a.max_cqe()).unwrap_or(0))
         .unwrap_or(0);
+    let sges = |v: i32| u32::try_from(v).unwrap_or(0).max(1);
+    let max_sge = attr.as_ref().map_or(1, |a| sges(a.max_sge()));
+    let max_sge_rd = attr.as_ref().map_or(1, |a| sges(a.max_sge_rd()));
     let limit = |v: i32| u64::try_from(v).unwrap_or(0);
     let limits = attr
         .as_ref()
@@ -267,6 +276,8 @@ pub(crate) fn open_device(name: &str) -> Result<Arc<OpenDevice>> {
         ctx,
         max_mw,
         max_cqe,
+        max_sge,
+        max_sge_rd,
         limits,
         atomics,
         immediate_data,
@@ -678,6 +689,10 @@ pub(crate) struct RcSizes {
     /// SGE or inline, so the QP takes 2 send SGEs and inline data of at
     /// least [`TRAILER_INLINE_MIN`] bytes (an RTS header and its trailer).
     pub trailer_without_immediate: bool,
+    /// Send SGEs per WR wanted for scatter-gather lists (one-sided
+    /// operations of a message endpoint); the QP gets at most the
+    /// device's `max_sge`, and at least what the trailer needs.
+    pub max_send_sge: u32,
 }
 
 /// Inline data a message QP without immediate data is created with at
@@ -885,6 +900,9 @@ pub(crate) enum SendPayload<'a> {
     /// A message's bytes and its 4-byte trailer, read by the NIC from two
     /// SGEs of registered memory (a message QP without immediate data).
     SgeTrailer(Sge, Sge),
+    /// Read by the NIC from a scatter-gather list of registered memory, in
+    /// order (at most the QP's `max_send_sge` entries).
+    SgeList(&'a [Sge]),
 }
 
 /// Attaches `payload` to the WR being built.
@@ -906,6 +924,11 @@ unsafe fn set_payload(wr: LocalBufferHandle<'_, BasicPostSendGuard<'_>>, payload
         SendPayload::SgeTrailer(data, trailer) => unsafe {
             wr.setup_sge_list(&[data.raw(), trailer.raw()])
         },
+        SendPayload::SgeList(list) => {
+            let raw: Vec<ibv_sge> = list.iter().map(|s| s.raw()).collect();
+            // SAFETY: the caller guarantees every SGE's memory.
+            unsafe { wr.setup_sge_list(&raw) }
+        }
     }
 }
 
@@ -936,6 +959,14 @@ pub(crate) enum SendOp<'a> {
     /// RDMA READ of `local.len` bytes from `remote_addr` into `local`.
     Read {
         local: Sge,
+        remote_addr: u64,
+        rkey: u32,
+    },
+    /// RDMA READ of the list's total length from `remote_addr`, scattered
+    /// over `local` in order (at most the QP's `max_send_sge` and the
+    /// device's `max_sge_rd` entries).
+    ReadList {
+        local: &'a [Sge],
         remote_addr: u64,
         rkey: u32,
     },
@@ -992,6 +1023,8 @@ pub(crate) struct RcQueuePair {
     /// A receive WR completed successfully: the peer has sent a frame.
     heard_from_peer: bool,
     max_inline: u32,
+    /// Send SGEs per WR the QP was created with.
+    max_send_sge: u32,
     /// The QP is on a PD of its own (`RcSizes::own_pd_without_windows` on
     /// a device without windows), not the device's.
     own_pd: bool,
@@ -1028,6 +1061,10 @@ impl RcQueuePair {
         } else {
             (sizes.send_depth, sizes.max_inline)
         };
+        let max_send_sge = sizes
+            .max_send_sge
+            .max(if trailer { 2 } else { 1 })
+            .min(device.max_sge.max(1));
         let entries = send_depth + sizes.recv_depth + 16;
         let cq = QpCq::new(&device, &events, entries, sizes.share_cq)?;
         let own_pd = sizes.own_pd_without_windows && !device.has_memory_windows();
@@ -1045,7 +1082,7 @@ impl RcQueuePair {
             .create_qp_builder()
             .setup_max_send_wr(send_depth)
             .setup_max_recv_wr(sizes.recv_depth)
-            .setup_max_send_sge(if trailer { 2 } else { 1 })
+            .setup_max_send_sge(max_send_sge)
             .setup_max_recv_sge(1)
             .setup_max_inline_data(max_inline)
             .setup_send_cq(Arc::clone(cq.completion_queue()))
@@ -1075,6 +1112,7 @@ impl RcQueuePair {
             initiator: false,
             heard_from_peer: false,
             max_inline,
+            max_send_sge,
             own_pd,
             pd: ParentOnly::new(pd),
             device,
@@ -1260,6 +1298,18 @@ impl RcQueuePair {
     /// Largest inline payload requested at creation (bytes).
     pub(crate) fn max_inline(&self) -> u32 {
         self.max_inline
+    }
+
+    /// Scatter-gather entries one send WR may carry (the QP's
+    /// `max_send_sge`).
+    pub(crate) fn max_send_sge(&self) -> u32 {
+        self.max_send_sge
+    }
+
+    /// Scatter-gather entries one RDMA READ WR may carry: the QP's
+    /// `max_send_sge` and at most the device's `max_sge_rd`.
+    pub(crate) fn max_read_sge(&self) -> u32 {
+        self.max_send_sge.min(self.device.max_sge_rd)
     }
 
     /// Moves the QP to `state` (INIT, RTR or RTS) with the attributes rdma_cm
@@ -1568,6 +1618,16 @@ impl RcQueuePair {
                     let wr = wr.setup_read(rkey, remote_addr);
                     // SAFETY: the caller guarantees the SGE's memory.
                     unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
+                }
+                SendOp::ReadList {
+                    local,
+                    remote_addr,
+                    rkey,
+                } => {
+                    let wr = wr.setup_read(rkey, remote_addr);
+                    let raw: Vec<ibv_sge> = local.iter().map(|s| s.raw()).collect();
+                    // SAFETY: the caller guarantees every SGE's memory.
+                    unsafe { wr.setup_sge_list(&raw) };
                 }
                 SendOp::Write {
                     payload,
