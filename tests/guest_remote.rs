@@ -363,6 +363,14 @@ async fn a_peer_killed_during_reads_and_writes_fails_them_typed_and_frees_everyt
     // with the fds the first ended with.
     let mut fds_after_first: Option<usize> = None;
     for write in [false, true] {
+        // A pool of the endpoint's own, opened (with the device) before
+        // counting: once the endpoint, its grant and the pool are dropped,
+        // every registration is gone too.
+        let pool = tokio_rdma::pool::MemoryPool::for_device(
+            &common::device(),
+            tokio_rdma::pool::PoolConfig::new().max_registered_bytes(32 << 20),
+        )
+        .unwrap();
         let start = tokio_rdma::stats::resources();
         let mut child = tokio::process::Command::new(common::example("remote_bench"))
             .args(["--addr", IP, "--serve", &format!("{IP}:0")])
@@ -381,9 +389,18 @@ async fn a_peer_killed_during_reads_and_writes_fails_them_typed_and_frees_everyt
             .expect("listening on ADDR")
             .parse()
             .unwrap();
-        let ep = Arc::new(MessageEndpoint::connect(addr).await.unwrap());
-        let hello = ep.recv().await.unwrap().expect("the grant");
-        let remote = RemoteRegion::decode(&hello).unwrap();
+        let ep = MessageEndpoint::connect_with(addr, &MessageConfig::new().pool(pool.clone()))
+            .await
+            .unwrap();
+        // (The message is a receive buffer of the pool: dropped here.)
+        let remote = RemoteRegion::decode(&ep.recv().await.unwrap().expect("the grant")).unwrap();
+        // A grant of this side's, outstanding when the peer dies.
+        let mine = LocalRegion::new(ep.pool().alloc_any(1 << 20).await.unwrap());
+        let my_grant = ep
+            .grant(&mine, 0..1 << 20, GrantAccess::READ)
+            .await
+            .unwrap();
+        let ep = Arc::new(ep);
         let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut tasks = tokio::task::JoinSet::new();
         for t in 0..4u64 {
@@ -448,28 +465,23 @@ async fn a_peer_killed_during_reads_and_writes_fails_them_typed_and_frees_everyt
             .await
             .expect("every operation's future resolves");
         assert_eq!(errors, 4);
-        drop(ep);
-        // The connection's objects are gone (the process-wide default pool
-        // keeps its slabs and the device its PD, by design).
-        let conn_objects = |r: tokio_rdma::stats::ResourceSnapshot| {
-            (
-                r.queue_pairs,
-                r.completion_queues,
-                r.memory_windows,
-                r.cm_ids,
-                r.completion_channels,
-            )
-        };
+        my_grant
+            .revoke()
+            .await
+            .expect("a grant on a failed endpoint revokes Ok");
+        drop((ep, mine, pool));
+        // Every object and registration of the connection and its pool is
+        // gone (the device keeps its PD, opened before `start`).
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while conn_objects(tokio_rdma::stats::resources()) != conn_objects(start)
+        while common::without_cache(tokio_rdma::stats::resources()) != common::without_cache(start)
             && std::time::Instant::now() < deadline
         {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         assert_eq!(
-            conn_objects(tokio_rdma::stats::resources()),
-            conn_objects(start),
-            "write {write}: {:?}",
+            common::without_cache(tokio_rdma::stats::resources()),
+            common::without_cache(start),
+            "write {write}: {:?} vs {start:?}",
             tokio_rdma::stats::resources()
         );
         let fds = common::open_fds();

@@ -1330,17 +1330,45 @@ async fn blocks_until(
 }
 
 /// Guest a is killed (the host crashes) while three connections to it are
-/// idle, uploading and downloading: each fails within the keepalive and
-/// retry bounds with `ConnectionReset` (`TimedOut` from the keepalive on
-/// iWARP), never EOF, different bytes or a hang, and this process's
-/// resources go back to where they were.
+/// idle, uploading and downloading, and a message endpoint holds grants
+/// both ways: each stream fails within the keepalive and retry bounds
+/// with `ConnectionReset` (`TimedOut` from the keepalive on iWARP), never
+/// EOF, different bytes or a hang. On the endpoint, b's one-sided WRITEs
+/// and READs of a's grant (4 KiB each, every 10 ms, each READ checked
+/// against the WRITE before it) fail typed, b's own grant to a revokes
+/// `Ok` (its window died with the QP), and with the endpoint, the region
+/// and the endpoint's own pool dropped this process's resources go back
+/// to where they were.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
+    use tokio_rdma::pool::{MemoryPool, PoolConfig};
+    use tokio_rdma::remote::{GrantAccess, LocalRegion, RemoteRegion};
     const PORT: u16 = 7899;
+    const GRANT: usize = 1 << 20;
     let keepalive = Duration::from_secs(2);
     let cfg = RdmaConfig::new().keepalive(Some(keepalive));
     match role() {
         Role::Server => {
+            // The endpoint: grant b 1 MiB, take b's grant, and READ it
+            // every 10 ms until this host is killed.
+            let mcfg = MessageConfig::new().connection(cfg.clone());
+            let ml = MessageListener::bind_with(at(PORT - 1), &mcfg)
+                .await
+                .unwrap();
+            tokio::spawn(async move {
+                let (ep, _) = ml.accept().await.unwrap();
+                let region = LocalRegion::new(ep.pool().alloc_any(GRANT).await.unwrap());
+                let grant = ep
+                    .grant(&region, 0..GRANT, GrantAccess::READ | GrantAccess::WRITE)
+                    .await
+                    .unwrap();
+                ep.send_copy(&grant.remote().encode()).await.unwrap();
+                let theirs = RemoteRegion::decode(&ep.recv().await.unwrap().unwrap()).unwrap();
+                loop {
+                    ep.read(&theirs, 0, 4096).await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            });
             let l = RdmaListener::bind_with(at(PORT), &cfg).await.unwrap();
             let (_idle, _) = l.accept().await.unwrap();
             let (mut busy, _) = l.accept().await.unwrap();
@@ -1364,10 +1392,49 @@ async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
         }
         Role::Client => {
             background_delivery_done().await;
+            // The endpoint's pool, of its own (dropped at the end, so its
+            // slabs count in the resources); it opens the device (its PD
+            // and fds stay open, by design) before counting.
+            let pool = MemoryPool::for_device(
+                &common::device(),
+                PoolConfig::new().max_registered_bytes(16 << 20),
+            )
+            .unwrap();
             let (start, fds) = (tokio_rdma::stats::resources(), open_fds());
             let mut s = connect(PORT, &cfg).await;
             let mut busy = connect(PORT, &cfg).await;
             let mut down = connect(PORT, &cfg).await;
+            let mcfg = MessageConfig::new()
+                .connection(cfg.clone())
+                .pool(pool.clone());
+            let ep = retry(TRIES, || MessageEndpoint::connect_with(at(PORT - 1), &mcfg)).await;
+            let theirs = RemoteRegion::decode(&ep.recv().await.unwrap().unwrap()).unwrap();
+            // (`ep.pool()`: on iWARP the connection's own pool, on its PD.)
+            let mine = LocalRegion::new(ep.pool().alloc_any(GRANT).await.unwrap());
+            let my_grant = ep.grant(&mine, 0..GRANT, GrantAccess::READ).await.unwrap();
+            ep.send_copy(&my_grant.remote().encode()).await.unwrap();
+            let ep = std::sync::Arc::new(ep);
+            let remote_ops = tokio::spawn({
+                let ep = std::sync::Arc::clone(&ep);
+                async move {
+                    let mut done = 0u64;
+                    loop {
+                        let at = (done as usize * 4096) % GRANT;
+                        let block = pattern_buf(30 + done % 7, 4096);
+                        let r = async {
+                            ep.write(&theirs, at as u64, &block).await?;
+                            ep.read(&theirs, at as u64, 4096).await
+                        }
+                        .await;
+                        match r {
+                            Ok(back) => assert!(back[..] == block[..], "READ {done} after WRITE"),
+                            Err(e) => return (e, done),
+                        }
+                        done += 1;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+            });
             let downloader = tokio::spawn(async move {
                 let block = pattern_buf(21, CRASH_BLOCK);
                 let mut buf = vec![0u8; 64 * 1024];
@@ -1470,6 +1537,27 @@ async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
             assert!(got > 0, "the download was under way");
             assert_eq!(rerr.kind(), dead, "{rerr}");
             eprintln!("download read {got} bytes before the crash; sent {sent} bytes");
+            let (oerr, done) = tokio::time::timeout(bound * 3 + Duration::from_secs(5), remote_ops)
+                .await
+                .expect("the one-sided operations fail")
+                .unwrap();
+            assert!(done > 0, "one-sided operations ran before the crash");
+            assert!(
+                matches!(
+                    oerr.kind(),
+                    io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+                ) || (iwarp && oerr.kind() == io::ErrorKind::TimedOut),
+                "{oerr}"
+            );
+            assert!(tokio_rdma::Error::from_io(&oerr).is_some(), "{oerr:?}");
+            eprintln!("{done} WRITE+READ pairs on a's grant before the crash: {oerr}");
+            my_grant
+                .revoke()
+                .await
+                .expect("a grant on a failed endpoint revokes Ok");
+            let ep = std::sync::Arc::into_inner(ep).expect("the last handle");
+            // The config holds a handle of the pool too.
+            drop((ep, mine, mcfg, pool));
             assert_back_to(start, fds, 2, Duration::from_secs(120)).await;
         }
     }
