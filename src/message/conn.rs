@@ -1365,13 +1365,14 @@ impl std::future::Future for RemoteWait<'_> {
     /// Drains the CQ, and while the WR has not completed arms it and
     /// registers this task on its next event itself, as `recv` does
     /// ([`MsgConn::wait_recv`]): the completion wakes the waiting task
-    /// without a hop through the driver task (on the multi-thread runtime
-    /// that hop put a second task wake-up, and with it another worker's
-    /// futex wake, into every one-sided operation: an 8 B READ took 2.2x
-    /// `ib_read_lat -e` there against 1.09x on current_thread,
-    /// benches/history/remote-in-place-2026-12-07.md). A task that drops
-    /// the future while registered leaves the event to the driver's tick
-    /// (see `Delegation`).
+    /// without a hop through the driver task, and the driver keeps its
+    /// arm wide only while a task is parked here
+    /// ([`MessageQp::remote_needs_events`]; the driver's arm for every
+    /// completion, not this hop, was what made an 8 B READ 2.2x
+    /// `ib_read_lat -e` on the multi-thread runtime:
+    /// benches/history/remote-wait-2026-12-07.md). A task that drops the
+    /// future while registered leaves the event to the driver's tick (see
+    /// `Delegation`).
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         let mut st = this.conn.lock();
