@@ -1516,19 +1516,24 @@ async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
                 "peer crash detected {:?} after the kill request (bound {bound:?})",
                 when - asked
             );
+            // A writer's (or a one-sided operation's) typed error once the
+            // peer is gone.
+            let assert_peer_gone = |e: &io::Error| {
+                assert!(
+                    matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+                    ) || (iwarp && e.kind() == io::ErrorKind::TimedOut),
+                    "{e}"
+                );
+                assert!(tokio_rdma::Error::from_io(e).is_some(), "{e:?}");
+            };
             let (werr, sent) = tokio::time::timeout(bound * 3 + Duration::from_secs(5), writer)
                 .await
                 .expect("the writer of the busy connection fails")
                 .unwrap();
             assert!(sent > 0, "the transfer was under way");
-            assert!(
-                matches!(
-                    werr.kind(),
-                    io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
-                ) || (iwarp && werr.kind() == io::ErrorKind::TimedOut),
-                "{werr}"
-            );
-            assert!(tokio_rdma::Error::from_io(&werr).is_some(), "{werr:?}");
+            assert_peer_gone(&werr);
             let (rerr, got) = tokio::time::timeout(bound * 3 + Duration::from_secs(5), downloader)
                 .await
                 .expect("the reader of the download fails")
@@ -1542,14 +1547,7 @@ async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
                 .expect("the one-sided operations fail")
                 .unwrap();
             assert!(done > 0, "one-sided operations ran before the crash");
-            assert!(
-                matches!(
-                    oerr.kind(),
-                    io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
-                ) || (iwarp && oerr.kind() == io::ErrorKind::TimedOut),
-                "{oerr}"
-            );
-            assert!(tokio_rdma::Error::from_io(&oerr).is_some(), "{oerr:?}");
+            assert_peer_gone(&oerr);
             eprintln!("{done} WRITE+READ pairs on a's grant before the crash: {oerr}");
             my_grant
                 .revoke()

@@ -1625,9 +1625,8 @@ impl RcQueuePair {
                     rkey,
                 } => {
                     let wr = wr.setup_read(rkey, remote_addr);
-                    let raw: Vec<ibv_sge> = local.iter().map(|s| s.raw()).collect();
                     // SAFETY: the caller guarantees every SGE's memory.
-                    unsafe { wr.setup_sge_list(&raw) };
+                    unsafe { set_payload(wr, SendPayload::SgeList(local)) };
                 }
                 SendOp::Write {
                     payload,
