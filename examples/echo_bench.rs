@@ -893,7 +893,24 @@ struct Case {
     batch: u64,
     /// The client's `--spawn` (its loop in a spawned task).
     spawn: bool,
+    /// Both processes run with [`VECTOR_COPIES`] (glibc copies with its
+    /// vector loop, never `rep movsb`); local cases only.
+    vector_copies: bool,
 }
+
+/// The `GLIBC_TUNABLES` of a [`Case::vector_copies`] row: a `rep movsb`
+/// threshold no copy reaches, so glibc's `memcpy` copies with its vector
+/// loop at every size. glibc takes `rep movsb` from 4 KiB (2 KiB without
+/// AVX2) on a CPU with ERMS, which the guest's QEMU TCG CPU has; QEMU
+/// runs `rep movsb` one byte per iteration and icount counts each
+/// iteration as an instruction, so there a 64 KiB copy costs 65,536
+/// instructions (65.5 us of icount guest time) against about 8 us with the
+/// vector loop, while on hardware with ERMS `rep movsb` is at least as fast
+/// as the vector loop. The stream's two copies per byte (the writer's into
+/// the send buffer, the reader's out of the ring) are its only large
+/// `memcpy`s; perftest copies nothing, so its figures do not move
+/// (benches/history/copies-under-icount-2026-12-07.md).
+const VECTOR_COPIES: &str = "glibc.cpu.x86_rep_movsb_threshold=4294967295";
 
 impl Case {
     /// An echoed stream (or TCP) case with the default ring, growth up to
@@ -919,6 +936,7 @@ impl Case {
             one_way: false,
             batch: 1,
             spawn: false,
+            vector_copies: false,
         }
     }
 }
@@ -1178,6 +1196,11 @@ async fn run_case(
         None => tokio::process::Command::new(&me),
     };
     let mut server = wrap("server");
+    let mut client = wrap("client");
+    if c.vector_copies {
+        server.env("GLIBC_TUNABLES", VECTOR_COPIES);
+        client.env("GLIBC_TUNABLES", VECTOR_COPIES);
+    }
     if counter == Some(SyscallCounter::Perf) {
         // perf stat reports the SIGINT that ends the server on stderr.
         server.stderr(Stdio::null());
@@ -1204,7 +1227,7 @@ async fn run_case(
     let port = lines.next_line().await.ok()??;
     let port = port.strip_prefix("listening ")?.to_string();
     let target = format!("{}://{ip}:{port}", c.scheme);
-    let result = run_client(wrap("client"), c, &target, requests).await?;
+    let result = run_client(client, c, &target, requests).await?;
     let closed = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
         .await
         .ok()?
@@ -1392,6 +1415,17 @@ async fn suite(args: SuiteArgs) {
             "adaptive",
         ),
         Case {
+            vector_copies: true,
+            ..case(
+                "RdmaStream 64 KiB x 8, current_thread, vector copies",
+                "rdma",
+                65536,
+                8,
+                Current,
+                "adaptive",
+            )
+        },
+        Case {
             message: true,
             ..case(
                 "MessageEndpoint 64 KiB x 8, current_thread",
@@ -1431,6 +1465,8 @@ async fn suite(args: SuiteArgs) {
             },
         );
     }
+    // Across hosts the peer's servers run without the tunables.
+    bulk.retain(|c| server_ip.is_none() || !c.vector_copies);
     // Across hosts the peer's perftest servers run with `-R` (rdma_cm picks
     // the GID for the address), as on iWARP; locally on RoCE the RoCE v2
     // GID index is given.
@@ -1601,6 +1637,22 @@ async fn suite(args: SuiteArgs) {
                 Multi,
                 256 * 1024,
             ),
+            Case {
+                vector_copies: true,
+                ..one_way(
+                    "RdmaStream one way, current_thread, vector copies",
+                    Current,
+                    65536,
+                )
+            },
+            Case {
+                vector_copies: true,
+                ..one_way(
+                    "RdmaStream one way, multi-thread (2), vector copies",
+                    Multi,
+                    65536,
+                )
+            },
             Case {
                 scheme: "tcp",
                 ..one_way("TCP one way, current_thread", Current, 65536)
