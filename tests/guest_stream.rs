@@ -1755,20 +1755,10 @@ async fn mutual_connect_peer() {
         println!("done {round}");
     }
     // The last round's streams close in the background (their FINs are
-    // queued behind the echo); a runtime that ends drops that delivery and
-    // the other process would read `ConnectionReset` instead of EOF (see
-    // the guide's TCP parity page). Exit once every QP of ours is gone.
-    for _ in 0..600 {
-        if tokio_rdma::stats::resources().queue_pairs == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(
-        tokio_rdma::stats::resources().queue_pairs,
-        0,
-        "peer: every stream closed before exit"
-    );
+    // queued behind the echo): exit once they are delivered and every QP
+    // of ours is gone, or the other process would read `ConnectionReset`
+    // instead of EOF.
+    common::background_delivery_done(Duration::from_secs(30)).await;
 }
 
 /// Two processes, each with a listener, connect to each other at the same

@@ -65,6 +65,10 @@ fn pattern_buf(seed: u64, len: usize) -> Vec<u8> {
 /// rxe acknowledges in the guest's kernel, so a guest whose QEMU gets no
 /// CPU for half a second (a loaded host) would otherwise exhaust the
 /// retries of a healthy connection; a hardware NIC acknowledges by itself.
+/// How long a side waits for its connections' background delivery before
+/// returning ([`common::background_delivery_done`]).
+const DELIVERY: Duration = Duration::from_secs(120);
+
 fn wire() -> RdmaConfig {
     RdmaConfig::new().ack_timeout(16)
 }
@@ -118,7 +122,7 @@ async fn a_stream_echo_across_the_wire() {
             for t in tasks {
                 assert_eq!(t.await.unwrap().unwrap(), 65536);
             }
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
         }
         Role::Client => {
             let cfg = wire();
@@ -215,22 +219,6 @@ async fn c_auto_falls_back_to_a_tcp_only_server() {
     }
 }
 
-/// Waits until every connection of this process has finished in the
-/// background (its driver delivered what was accepted, then freed its QP).
-/// A server role returns only then: returning shuts the test's runtime down,
-/// and background delivery (linger) runs on that runtime.
-async fn background_delivery_done() {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    while tokio_rdma::stats::resources().queue_pairs > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "connections still delivering after 120 s: {:?}",
-            tokio_rdma::stats::resources()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// A command (`DEV`: the wire NIC, `SOFTROCE_NIC`) run when dropped, its
 /// failure ignored: it puts back what a test changed on the wire (a netem
 /// qdisc, the MTU, the link state), so a test that fails midway leaves the
@@ -305,7 +293,7 @@ async fn d_loss_and_delay_lose_nothing() {
                 ep.send(m).await.unwrap();
             }
             drop(ep);
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
         }
         Role::Client => {
             let _netem = RestoreNic::netem();
@@ -340,7 +328,7 @@ async fn e_a_short_partition_heals() {
             let l = RdmaListener::bind_with(at(PORT), &cfg).await.unwrap();
             let (s, _) = l.accept().await.unwrap();
             assert_eq!(echo(s).await.unwrap(), 16 << 20);
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
         }
         Role::Client => {
             let s = connect(PORT, &cfg).await;
@@ -628,11 +616,11 @@ async fn j_a_connect_across_a_partition_times_out() {
                     Err(e) => panic!("the echo after the partition: {e:?}"),
                 }
             }
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
         }
         Role::Client => {
             wait_flag("j-listening").await;
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
             let (start, fds) = (tokio_rdma::stats::resources(), open_fds());
             let timeout = Duration::from_secs(3);
             let cfg = RdmaConfig::new().connect_timeout(timeout);
@@ -736,7 +724,7 @@ async fn k_rendezvous_echo_under_loss_completes_or_fails_typed() {
                     drop(ep);
                 }
             }
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
         }
         Role::Client => {
             let ep = retry(TRIES, || MessageEndpoint::connect_with(at(PORT), &cfg)).await;
@@ -1046,7 +1034,7 @@ async fn n_hosts_with_different_mtus_agree_on_the_path_mtu() {
                 }
                 drop(grant);
                 drop(ep);
-                background_delivery_done().await;
+                common::background_delivery_done(DELIVERY).await;
                 let expect = port_mtu(mtu_a).min(port_mtu(mtu_b));
                 assert_eq!(agreed, expect, "case {i}: MTU a {mtu_a}, b {mtu_b}");
             }
@@ -1073,7 +1061,7 @@ async fn n_hosts_with_different_mtus_agree_on_the_path_mtu() {
                     assert!(back[..] == data[..], "case {i}: {len} B message");
                 }
                 ep.close().await.unwrap();
-                background_delivery_done().await;
+                common::background_delivery_done(DELIVERY).await;
                 let expect = port_mtu(mtu_a).min(port_mtu(mtu_b));
                 assert_eq!(agreed, expect, "case {i}: MTU a {mtu_a}, b {mtu_b}");
             }
@@ -1138,11 +1126,11 @@ async fn o_a_link_down_on_one_host_fails_both_sides_typed_and_heals() {
                 .expect("b connects once its link is back")
                 .unwrap();
             assert_eq!(echo(s).await.unwrap(), 1 << 20);
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
         }
         Role::Client => {
             echo_client(connect(PORT, &cfg).await, 32, 1).await;
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
             // The warm-up's rdma_cm id is destroyed off the runtime after
             // its QP: wait for it too (this side holds no other id).
             let t = Instant::now();
@@ -1206,7 +1194,7 @@ async fn o_a_link_down_on_one_host_fails_both_sides_typed_and_heals() {
             );
             down.await.unwrap();
             echo_client(connect(PORT + 1, &cfg).await, 31, 1 << 20).await;
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
             assert_back_to(start, fds, 4, Duration::from_secs(30)).await;
         }
     }
@@ -1261,7 +1249,7 @@ async fn p_a_short_link_down_on_one_host_rides_out_idle_streams() {
                 }
             }
             println!("a: {exact} streams ended exact, {failed} failed typed");
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
         }
         Role::Client => {
             let mut idle = Vec::new();
@@ -1312,7 +1300,7 @@ async fn p_a_short_link_down_on_one_host_rides_out_idle_streams() {
                 echo_client(s, 80 + k as u64, 64 * 1024).await;
             }
             echo_client(connect(PORT, &cfg).await, 90, 1 << 20).await;
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
         }
     }
 }
@@ -1391,7 +1379,7 @@ async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
             panic!("guest a was not killed");
         }
         Role::Client => {
-            background_delivery_done().await;
+            common::background_delivery_done(DELIVERY).await;
             // The endpoint's pool, of its own (dropped at the end, so its
             // slabs count in the resources); it opens the device (its PD
             // and fds stay open, by design) before counting.

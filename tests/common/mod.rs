@@ -204,3 +204,21 @@ pub async fn echo_blocks_until(
     assert!(rest.is_empty(), "nothing after the echo");
     Ok(total)
 }
+
+/// Waits until every connection of this process has finished in the
+/// background (its driver delivered what was accepted, then freed its QP),
+/// at most `bound`. A process or server role returns only then: returning
+/// shuts the test's runtime down, and background delivery (linger) runs on
+/// that runtime, so the peer would read `ConnectionReset` instead of the
+/// last bytes and EOF (the guide's TCP parity page).
+pub async fn background_delivery_done(bound: std::time::Duration) {
+    let deadline = tokio::time::Instant::now() + bound;
+    while tokio_rdma::stats::resources().queue_pairs > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "connections still delivering after {bound:?}: {:?}",
+            tokio_rdma::stats::resources()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
