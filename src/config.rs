@@ -533,7 +533,9 @@ impl RdmaConfig {
 
     /// Idle time before the connection probes its peer (default 30 s;
     /// `None` turns keepalive off), like TCP's `SO_KEEPALIVE` with
-    /// `TCP_KEEPIDLE`. A probe is a zero-length RDMA WRITE (it carries no
+    /// `TCP_KEEPIDLE`. Idle means no work completion (no data, credit or
+    /// probe sent or received), whether or not a task waits meanwhile. A
+    /// probe is a zero-length RDMA WRITE (it carries no
     /// data, consumes no receive WR and no application credit; IBTA C9-88:
     /// a zero-length operation checks no key); on iWARP, where a WRITE
     /// completes once it is handed to TCP, a zero-length RDMA READ, which

@@ -122,6 +122,24 @@ pub mod __testing {
         stream.ring_key()
     }
 
+    /// A view of `stream`'s connection that does not keep it open, for
+    /// printing what a stream that stopped moving holds and waits on.
+    pub fn probe(stream: &crate::RdmaStream) -> StreamProbe {
+        StreamProbe(stream.debug_probe())
+    }
+
+    /// See [`probe`].
+    pub struct StreamProbe(std::sync::Weak<crate::stream::DebugConn>);
+
+    impl StreamProbe {
+        /// The connection's state in words (queue pair state as queried,
+        /// the protocol core, waiters, counters); `None` once the
+        /// connection is gone.
+        pub fn dump(&self) -> Option<String> {
+            self.0.upgrade().map(|c| crate::RdmaStream::debug_state(&c))
+        }
+    }
+
     /// Makes `stream` post an RDMA WRITE WITH IMM of `len` bytes to
     /// `addr`/`rkey` at its peer (memory it was never granted).
     pub fn forge_ring_write(

@@ -60,7 +60,7 @@ impl WakerList {
     }
 
     /// Registered wakers.
-    #[cfg(test)]
+    #[cfg(any(test, tokio_rdma_guest))]
     pub(crate) fn len(&self) -> usize {
         self.0.len()
     }
@@ -112,13 +112,17 @@ pub(crate) trait Driven: Send + 'static {
     /// RST) instead of retrying into a QP in the error state.
     fn failure(&self) -> Option<bool>;
 
-    /// The connection was idle for the keepalive time (`idle`): probe the
+    /// No completion came for the keepalive time (`idle`; the driver's
+    /// wake-ups and ticks do not count, so a send outstanding on a queue
+    /// pair that stopped making progress is probed too): probe the
     /// peer (a zero-length RDMA WRITE, a READ on iWARP:
     /// [`RcQueuePair::post_probe`]; a peer that is gone fails it after
     /// the retry bound, which fails the connection). A previous probe
     /// still neither acknowledged nor failed a whole idle period later
     /// means the queue pair stopped making progress without an error (rxe
-    /// does this when an RDMA READ's retry wedges its requester): that
+    /// does this when an RDMA READ's retry wedges its requester, and to a
+    /// busy queue pair now and then when its link went down and came back
+    /// within the retry bound): that
     /// fails the connection with [`Error::KeepaliveTimeout`].
     fn probe(&mut self, idle: Duration) {
         if !self.alive() {
@@ -504,12 +508,18 @@ async fn drive<D: Driven>(
     // transport" (iWARP): the probe that confirms the peer processed
     // everything before the disconnect was posted.
     let mut delivery_probed = false;
+    // The keepalive's clock: the idle time runs from the last completion
+    // polled (by anyone), not from the driver's last wake-up, so ticks and
+    // wake-ups that bring no completion (a send outstanding on a queue
+    // pair that stopped making progress) do not put the probe off.
+    let mut probe_at = keepalive.map(|idle| tokio::time::Instant::now() + idle);
+    let mut completions_seen = 0u64;
     loop {
         if woken {
             shared.driver_wakeups.fetch_add(1, Ordering::Relaxed);
         }
         woken = true;
-        let (done, memory, ticking, on_schedule) = {
+        let (done, memory, ticking, on_schedule, completions) = {
             let mut st = shared.lock();
             if std::mem::take(&mut ticked) {
                 st.on_tick();
@@ -576,10 +586,17 @@ async fn drive<D: Driven>(
                 st.waiting_for_memory(),
                 ticking,
                 st.tick_on_schedule(),
+                st.qp().completions_polled(),
             )
         };
         if done {
             break;
+        }
+        if let Some(idle) = keepalive
+            && completions != completions_seen
+        {
+            completions_seen = completions;
+            probe_at = Some(tokio::time::Instant::now() + idle);
         }
         let next_tick = || tokio::time::Instant::now() + DELEGATION_TICK;
         let tick_deadline = match (ticking, on_schedule) {
@@ -657,17 +674,18 @@ async fn drive<D: Driven>(
                     None => std::future::pending::<()>().await,
                 }
             } => {}
-            // Idle for the keepalive time (any event above restarts it).
+            // No completion for the keepalive time (see `probe_at`).
             idle = async {
-                match keepalive {
-                    Some(idle) => {
-                        tokio::time::sleep(idle).await;
+                match (keepalive, probe_at) {
+                    (Some(idle), Some(at)) => {
+                        tokio::time::sleep_until(at).await;
                         idle
                     }
-                    None => std::future::pending().await,
+                    _ => std::future::pending().await,
                 }
             } => {
                 trace!("idle: keepalive probe");
+                probe_at = Some(tokio::time::Instant::now() + idle);
                 shared.lock().probe(idle);
             }
             _ = async {

@@ -824,6 +824,33 @@ impl Conn {
     }
 }
 
+/// What a stream connection holds and waits on, in words, for the guest
+/// suite's diagnostics of a stream that stopped moving.
+#[cfg(tokio_rdma_guest)]
+pub(crate) fn debug_state(conn: &Conn) -> String {
+    let st = conn.lock();
+    format!(
+        "qp {} state {} probe_outstanding {} error {:?} peer_gone {} \
+         backlog {} ring_pending {:?} driver_drains {} left_in_ring {} \
+         readers {} writers {} handles {} spin {:?}\nstats {:?}\ncore {:?}",
+        st.qp.rc().qp_num(),
+        st.qp.rc().queried_state(),
+        st.qp.rc().probe_outstanding(),
+        st.error,
+        st.peer_gone,
+        st.backlog_len,
+        st.ring_pending,
+        st.driver_drains,
+        st.left_in_ring,
+        st.readers.len(),
+        st.writers.len(),
+        conn.handles(),
+        st.spin,
+        st.stats,
+        st.core,
+    )
+}
+
 /// Receive ring `generation` of a stream QP (held while bytes in it wait).
 fn recv_ring(qp: &StreamQp, generation: u32) -> std::io::Result<&RegisteredBuffer> {
     qp.ring(generation).ok_or_else(|| {

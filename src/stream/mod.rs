@@ -21,6 +21,8 @@ pub use split::{OwnedReadHalf, OwnedWriteHalf, ReadHalf, ReuniteError, WriteHalf
 use crate::config::RdmaConfig;
 use crate::stats::ConnectionStats;
 use conn::StreamState;
+#[cfg(tokio_rdma_guest)]
+pub(crate) type DebugConn = conn::Conn;
 
 type Handle = crate::conn::Handle<StreamState>;
 
@@ -129,6 +131,16 @@ impl RdmaStream {
     /// A snapshot of this connection's counters.
     pub fn stats(&self) -> ConnectionStats {
         self.conn.stats()
+    }
+
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn debug_probe(&self) -> std::sync::Weak<conn::Conn> {
+        self.conn.downgrade()
+    }
+
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn debug_state(conn: &conn::Conn) -> String {
+        conn::debug_state(conn)
     }
 
     #[cfg(tokio_rdma_guest)]

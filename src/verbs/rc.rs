@@ -1014,6 +1014,9 @@ pub(crate) struct RcQueuePair {
     /// Keepalive or delivery probes posted whose completions were not
     /// polled yet.
     probes_outstanding: u32,
+    /// Completions polled so far (every kind, in error or not): the
+    /// driver's measure of progress for the keepalive.
+    completions_polled: u64,
     /// The agreed path MTU in bytes once in RTR ([`Self::path_mtu`]).
     path_mtu: u32,
     /// The device port rdma_cm bound the QP to (0 before INIT).
@@ -1107,6 +1110,7 @@ impl RcQueuePair {
             cq,
             events: Arc::new(events),
             probes_outstanding: 0,
+            completions_polled: 0,
             path_mtu: 0,
             port: 0,
             initiator: false,
@@ -1500,10 +1504,27 @@ impl RcQueuePair {
         self.device.completes_at_transmit
     }
 
+    /// Completions polled from this QP's CQ so far (every kind, in error
+    /// or not); it grows whenever the QP made progress.
+    pub(crate) fn completions_polled(&self) -> u64 {
+        self.completions_polled
+    }
+
     /// Whether a probe has neither completed nor failed yet (its
     /// completion was not polled).
     pub(crate) fn probe_outstanding(&self) -> bool {
         self.probes_outstanding > 0
+    }
+
+    /// The QP's state as the device reports it (`ibv_query_qp`), for the
+    /// guest suite's diagnostics.
+    #[cfg(tokio_rdma_guest)]
+    pub(crate) fn queried_state(&self) -> String {
+        use sideway::ibverbs::queue_pair::QueuePairAttributeMask;
+        match self.qp.query(QueuePairAttributeMask::State) {
+            Ok((attr, _)) => format!("{:?}", attr.state()),
+            Err(e) => format!("query failed: {e}"),
+        }
     }
 
     /// Moves the QP to the error state: outstanding WRs complete with
@@ -1679,6 +1700,7 @@ impl RcQueuePair {
     pub(crate) fn poll(&mut self, out: &mut Vec<Completion>) -> Result<()> {
         let start = out.len();
         let polled = self.cq.poll(self.qp_num, out);
+        self.completions_polled += (out.len() - start) as u64;
         if !self.heard_from_peer {
             self.heard_from_peer = out[start..]
                 .iter()
