@@ -70,6 +70,11 @@ pub(crate) struct StreamState {
     driver_drains: bool,
     /// A read left bytes in the ring since the driver's last tick.
     left_in_ring: bool,
+    /// A write accepted bytes since the driver's last tick, and in the
+    /// tick period before it: an on-demand send buffer stays taken while
+    /// either holds (see [`StreamState::keeps_send_buf`]).
+    wrote_since_tick: bool,
+    wrote_last_period: bool,
     /// Tasks waiting in `poll_read`.
     readers: WakerList,
     /// Tasks waiting in `poll_write`/`poll_flush`.
@@ -381,11 +386,25 @@ impl StreamState {
             self.transmit();
         }
         // Every WR that read the send buffer has completed (its bytes are
-        // freed only then) and the QP is healthy: give the buffer back, so
-        // an idle connection pins only its ring.
-        if self.alive() && self.core.send_buf_in_use() == 0 {
+        // freed only then), the QP is healthy and the stream stopped
+        // writing: give the buffer back, so an idle connection pins only
+        // its ring.
+        if self.alive() && self.core.send_buf_in_use() == 0 && !self.keeps_send_buf() {
             self.qp.release_send_buf();
         }
+    }
+
+    /// A stream that wrote in this tick period or the one before keeps
+    /// its idle send buffer: given back after each write's completion, as
+    /// before, a 64 B ping-pong took it from the device's cache (a lock
+    /// and a search) and put it back once per round trip, 3 % of the
+    /// client's CPU samples under icount
+    /// (benches/history/copies-under-icount-2026-12-07.md). The driver ticks
+    /// while the buffer is taken ([`Driven::needs_tick`]; the write that
+    /// takes it calls `Shared::ensure_tick`), so a stream gives it back
+    /// within two ticks (10 ms) of its last write.
+    fn keeps_send_buf(&self) -> bool {
+        self.wrote_since_tick || self.wrote_last_period
     }
 }
 
@@ -457,11 +476,14 @@ impl Driven for StreamState {
     /// completion gives the buffer back once the stream is idle. (A
     /// CREDIT's completion frees only a send-queue slot, polled with the
     /// next progress; a writer that needs one arms for every completion.)
+    /// Or a send buffer taken from the device's cache, which goes back at
+    /// the second tick without writes ([`StreamState::keeps_send_buf`]).
     /// Or arrived bytes a reader left in the ring that the backlog has
     /// room for: if no read takes them, the driver moves them out at a
     /// tick, which returns their credit without waiting for `poll_read`.
     fn needs_tick(&self) -> bool {
         (self.core.send_buf_in_use() > 0 && self.solicited_events_suffice())
+            || (self.alive() && self.qp.holds_on_demand_send_buf())
             || self.tick_on_schedule()
     }
 
@@ -480,6 +502,7 @@ impl Driven for StreamState {
         if !std::mem::take(&mut self.left_in_ring) {
             self.driver_drains = true;
         }
+        self.wrote_last_period = std::mem::take(&mut self.wrote_since_tick);
     }
 
     fn on_disconnected(&mut self) {
@@ -696,6 +719,7 @@ impl Conn {
             Err(e) => return Poll::Ready(Err(e.into())),
         };
         let ranges = state.core.accept_write(n);
+        state.wrote_since_tick = true;
         // Copy the first n bytes of `bufs` into the ranges, in order.
         let mut src = bufs.iter().map(|b| &b[..]).filter(|c| !c.is_empty());
         let mut cur: &[u8] = src.next().unwrap_or(&[]);
@@ -911,6 +935,8 @@ pub(crate) fn start(est: Established<StreamQp>, cfg: &RdmaConfig) -> Result<Hand
         recv_buffer_limit: cfg.recv_buffer_limit,
         driver_drains: true,
         left_in_ring: false,
+        wrote_since_tick: false,
+        wrote_last_period: false,
         readers: WakerList::default(),
         writers: WakerList::default(),
         error: None,

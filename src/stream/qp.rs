@@ -408,6 +408,12 @@ impl StreamQp {
         }
     }
 
+    /// Whether an on-demand send buffer is taken (one a QP on a PD of its
+    /// own keeps for its life does not count).
+    pub(crate) fn holds_on_demand_send_buf(&self) -> bool {
+        self.send_buf_on_demand && self.send_buf.is_some()
+    }
+
     /// Gives an on-demand send buffer back to the device's cache once the
     /// stream holds no bytes in it (the core's `send_buf_in_use` is 0 and
     /// the QP is healthy). No-op for a buffer held for the QP's life.

@@ -619,33 +619,81 @@ fn arm_cq(cq: &BasicCompletionQueue, solicited_only: bool) -> Result<()> {
     Ok(())
 }
 
-/// Polls every work completion queued on `cq` (`ibv_poll_cq`, 32 at a
-/// time into a stack array: no allocation) and hands each to `each`.
-fn poll_cq(cq: &BasicCompletionQueue, mut each: impl FnMut(&ibv_wc)) -> Result<()> {
-    crate::verbs::fork::check("ibv_poll_cq")?;
-    const BATCH: usize = 32;
-    // SAFETY: `ibv_wc` is plain data (integers and a union of integers);
-    // all-zero is a valid value, and the provider overwrites what it returns.
-    let mut wcs: [ibv_wc; BATCH] = unsafe { std::mem::zeroed() };
-    loop {
-        // SAFETY: `cq` is live (borrowed for the call) and `wcs` has room
-        // for BATCH entries. Polls of one CQ are serialised by its owner
-        // (a connection's lock for its own CQ, the routes lock for a
-        // shared one), as libibverbs expects of one poller per CQ.
-        let n = unsafe { ibv_poll_cq(raw_cq(cq), BATCH as i32, wcs.as_mut_ptr()) };
-        let Ok(n) = usize::try_from(n) else {
-            return Err(Error::Verbs {
-                op: "ibv_poll_cq",
-                source: io::Error::from_raw_os_error(n.saturating_neg()),
-            });
-        };
-        for wc in &wcs[..n.min(BATCH)] {
-            each(wc);
-        }
-        if n < BATCH {
-            return Ok(());
+/// Work completions per `ibv_poll_cq` call.
+const POLL_BATCH: usize = 32;
+
+/// The array `ibv_poll_cq` fills: zeroed once, and afterwards only the
+/// entries the last poll filled (`dirty`), before the next poll. A
+/// provider leaves fields of a completion unwritten (mlx5 the opcode of a
+/// failed one, `imm_data` without immediate data), which then read as 0
+/// as with a fresh zeroed array; zeroing all 32 entries (1,536 bytes) per
+/// poll was 1.3 % of a 64 B ping-pong client's CPU samples under icount
+/// (benches/history/copies-under-icount-2026-12-07.md).
+struct WcArray {
+    wcs: [ibv_wc; POLL_BATCH],
+    dirty: usize,
+}
+
+impl WcArray {
+    fn new() -> WcArray {
+        WcArray {
+            // SAFETY: `ibv_wc` is plain data (integers and a union of
+            // integers); all-zero is a valid value.
+            wcs: unsafe { std::mem::zeroed() },
+            dirty: 0,
         }
     }
+
+    /// Polls every work completion queued on `cq` and hands each to `each`.
+    fn poll(&mut self, cq: &BasicCompletionQueue, each: &mut impl FnMut(&ibv_wc)) -> Result<()> {
+        loop {
+            // SAFETY: the first `dirty` entries lie inside `wcs`, and
+            // all-zero is a valid `ibv_wc` (see `new`).
+            unsafe { std::ptr::write_bytes(self.wcs.as_mut_ptr(), 0, self.dirty) };
+            self.dirty = 0;
+            // SAFETY: `cq` is live (borrowed for the call) and `wcs` has
+            // room for POLL_BATCH entries. Polls of one CQ are serialised
+            // by its owner (a connection's lock for its own CQ, the routes
+            // lock for a shared one), as libibverbs expects of one poller
+            // per CQ.
+            let n = unsafe { ibv_poll_cq(raw_cq(cq), POLL_BATCH as i32, self.wcs.as_mut_ptr()) };
+            let Ok(n) = usize::try_from(n) else {
+                return Err(Error::Verbs {
+                    op: "ibv_poll_cq",
+                    source: io::Error::from_raw_os_error(n.saturating_neg()),
+                });
+            };
+            let n = n.min(POLL_BATCH);
+            // Recorded before `each` runs: zeroed at the next poll even if
+            // `each` unwinds.
+            self.dirty = n;
+            for wc in &self.wcs[..n] {
+                each(wc);
+            }
+            if n < POLL_BATCH {
+                return Ok(());
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// This thread's [`WcArray`]: no allocation and no zeroing of the
+    /// whole array per poll.
+    static WC_ARRAY: std::cell::RefCell<WcArray> = std::cell::RefCell::new(WcArray::new());
+}
+
+/// Polls every work completion queued on `cq` (`ibv_poll_cq`, 32 at a
+/// time into this thread's [`WcArray`]: no allocation) and hands each to
+/// `each`.
+fn poll_cq(cq: &BasicCompletionQueue, mut each: impl FnMut(&ibv_wc)) -> Result<()> {
+    crate::verbs::fork::check("ibv_poll_cq")?;
+    WC_ARRAY.with(|array| match array.try_borrow_mut() {
+        Ok(mut array) => array.poll(cq, &mut each),
+        // A poll from inside `each` (none does that today): an array of
+        // its own.
+        Err(_) => WcArray::new().poll(cq, &mut each),
+    })
 }
 
 /// The CQ of one QP: its own, or a seat on a CQ its runtime's connections

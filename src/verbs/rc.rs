@@ -20,8 +20,9 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rdma_mummy_sys::{
-    bind_mw_t, ibv_access_flags, ibv_modify_qp, ibv_mr, ibv_mw_bind_info, ibv_post_send,
-    ibv_qp_attr, ibv_qp_state, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wc, ibv_wr_opcode,
+    bind_mw_t, ibv_access_flags, ibv_modify_qp, ibv_mr, ibv_mw_bind_info, ibv_post_recv,
+    ibv_post_send, ibv_qp_attr, ibv_qp_state, ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge,
+    ibv_wc, ibv_wr_opcode,
 };
 use sideway::ibverbs::AccessFlags;
 use sideway::ibverbs::completion::BasicCompletionQueue;
@@ -33,11 +34,7 @@ use sideway::ibverbs::memory_region::{
     MemoryRegion, RegisterMemoryRegionError, RegisterMemoryRegionErrorKind,
 };
 use sideway::ibverbs::protection_domain::ProtectionDomain;
-use sideway::ibverbs::queue_pair::{
-    BasicPostSendGuard, BasicQueuePair, CreateQueuePairErrorKind, LocalBufferHandle,
-    PostSendGuard as _, QueuePair as _, SetInlineData as _, SetScatterGatherEntry as _,
-    WorkRequestFlags,
-};
+use sideway::ibverbs::queue_pair::{BasicQueuePair, CreateQueuePairErrorKind, QueuePair as _};
 
 use super::cm::CmId;
 use super::count::{Counted, DeviceLimits, Kind, classify};
@@ -905,31 +902,267 @@ pub(crate) enum SendPayload<'a> {
     SgeList(&'a [Sge]),
 }
 
-/// Attaches `payload` to the WR being built.
-///
-/// # Safety
-/// The memory every SGE of `payload` names must be registered under its
-/// lkey and stay valid until the WR's completion (the caller of
-/// [`RcQueuePair::post_send_batch`] guarantees it).
-unsafe fn set_payload(wr: LocalBufferHandle<'_, BasicPostSendGuard<'_>>, payload: SendPayload<'_>) {
-    match payload {
-        SendPayload::None => {}
-        SendPayload::Inline(data) => wr.setup_inline_data(data),
-        SendPayload::InlineTrailer(data, trailer) => {
-            wr.setup_inline_data_list(&[io::IoSlice::new(data), io::IoSlice::new(&trailer)])
-        }
-        // SAFETY: the caller guarantees the SGE's memory.
-        SendPayload::Sge(sge) => unsafe { wr.setup_sge(sge.lkey, sge.addr, sge.len) },
-        // SAFETY: the caller guarantees both SGEs' memory.
-        SendPayload::SgeTrailer(data, trailer) => unsafe {
-            wr.setup_sge_list(&[data.raw(), trailer.raw()])
-        },
-        SendPayload::SgeList(list) => {
-            let raw: Vec<ibv_sge> = list.iter().map(|s| s.raw()).collect();
-            // SAFETY: the caller guarantees every SGE's memory.
-            unsafe { wr.setup_sge_list(&raw) }
+impl SendPayload<'_> {
+    /// SGEs it attaches to its WR.
+    fn sge_count(&self) -> usize {
+        match self {
+            SendPayload::None => 0,
+            SendPayload::Inline(_) | SendPayload::Sge(_) => 1,
+            SendPayload::InlineTrailer(..) | SendPayload::SgeTrailer(..) => 2,
+            SendPayload::SgeList(list) => list.len(),
         }
     }
+
+    /// Writes its SGEs to the front of `out` (which has room for
+    /// [`sge_count`](Self::sge_count)) and returns how many, adding
+    /// `IBV_SEND_INLINE` to `flags` for inline data. An inline SGE names
+    /// the caller's bytes (no lkey): `ibv_post_send` copies them into the
+    /// WQE before it returns.
+    fn write_sges(&self, out: &mut [ibv_sge], flags: &mut u32) -> usize {
+        let inline = |d: &[u8]| ibv_sge {
+            addr: d.as_ptr() as u64,
+            length: d.len() as u32,
+            lkey: 0,
+        };
+        match self {
+            SendPayload::None => 0,
+            SendPayload::Inline(data) => {
+                *flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+                out[0] = inline(data);
+                1
+            }
+            SendPayload::InlineTrailer(data, trailer) => {
+                *flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+                out[0] = inline(data);
+                out[1] = inline(trailer);
+                2
+            }
+            SendPayload::Sge(sge) => {
+                out[0] = sge.raw();
+                1
+            }
+            SendPayload::SgeTrailer(data, trailer) => {
+                out[0] = data.raw();
+                out[1] = trailer.raw();
+                2
+            }
+            SendPayload::SgeList(list) => {
+                for (o, sge) in out.iter_mut().zip(list.iter()) {
+                    *o = sge.raw();
+                }
+                list.len()
+            }
+        }
+    }
+}
+
+/// WRs of one `ibv_post_send` call built on the stack; a longer batch
+/// (remote memory's, a burst of messages) takes heap arrays. sideway's
+/// post guard made four heap allocations for a WR with inline data (the
+/// WR, its SGE, a copy of the data and the list of copies), 2.8 % of a
+/// 64 B ping-pong client's CPU samples under icount
+/// (benches/history/copies-under-icount-2026-12-07.md).
+const STACK_WRS: usize = 4;
+
+/// SGEs of those WRs on the stack.
+const STACK_SGES: usize = 8;
+
+/// Sets an RDMA READ or WRITE's opcode and remote range start.
+fn set_rdma(r: &mut ibv_send_wr, opcode: u32, remote_addr: u64, rkey: u32) {
+    r.opcode = opcode;
+    r.wr.rdma.remote_addr = remote_addr;
+    r.wr.rdma.rkey = rkey;
+}
+
+/// Sets an atomic's opcode and remote 8 bytes (its operands are the
+/// caller's).
+fn set_atomic(r: &mut ibv_send_wr, opcode: u32, remote_addr: u64, rkey: u32) {
+    r.opcode = opcode;
+    r.wr.atomic.remote_addr = remote_addr;
+    r.wr.atomic.rkey = rkey;
+}
+
+/// Fills `raw` (one entry per WR of `wrs`, zeroed) and `sges` (room for
+/// every WR's SGEs) and links them: each WR's `sg_list` names its SGEs in
+/// `sges`, its `next` the WR after it.
+fn fill_send_wrs(wrs: &[SendWr<'_>], raw: &mut [ibv_send_wr], sges: &mut [ibv_sge]) {
+    use ibv_wr_opcode as op;
+    let mut at = 0;
+    for (w, r) in wrs.iter().zip(raw.iter_mut()) {
+        r.wr_id = w.wr_id;
+        let mut flags = if w.signaled {
+            ibv_send_flags::IBV_SEND_SIGNALED.0
+        } else {
+            0
+        };
+        if w.solicited
+            && matches!(
+                w.op,
+                SendOp::SendImm { .. } | SendOp::WriteImm { .. } | SendOp::Send { .. }
+            )
+        {
+            flags |= ibv_send_flags::IBV_SEND_SOLICITED.0;
+        }
+        let room = &mut sges[at..];
+        // Matched by reference: an inline SGE names the bytes in `wrs`
+        // (a trailer's array included), which live across the post; a
+        // copy of the payload here would not.
+        let n = match &w.op {
+            SendOp::SendImm { payload, imm } => {
+                r.opcode = op::IBV_WR_SEND_WITH_IMM;
+                r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+                payload.write_sges(room, &mut flags)
+            }
+            SendOp::WriteImm {
+                payload,
+                remote_addr,
+                rkey,
+                imm,
+            } => {
+                set_rdma(r, op::IBV_WR_RDMA_WRITE_WITH_IMM, *remote_addr, *rkey);
+                r.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+                payload.write_sges(room, &mut flags)
+            }
+            SendOp::Read {
+                local,
+                remote_addr,
+                rkey,
+            } => {
+                set_rdma(r, op::IBV_WR_RDMA_READ, *remote_addr, *rkey);
+                SendPayload::Sge(*local).write_sges(room, &mut flags)
+            }
+            SendOp::ReadList {
+                local,
+                remote_addr,
+                rkey,
+            } => {
+                set_rdma(r, op::IBV_WR_RDMA_READ, *remote_addr, *rkey);
+                SendPayload::SgeList(local).write_sges(room, &mut flags)
+            }
+            SendOp::Write {
+                payload,
+                remote_addr,
+                rkey,
+            } => {
+                set_rdma(r, op::IBV_WR_RDMA_WRITE, *remote_addr, *rkey);
+                payload.write_sges(room, &mut flags)
+            }
+            SendOp::Send { payload } => {
+                r.opcode = op::IBV_WR_SEND;
+                payload.write_sges(room, &mut flags)
+            }
+            SendOp::CompareSwap {
+                local,
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => {
+                set_atomic(r, op::IBV_WR_ATOMIC_CMP_AND_SWP, *remote_addr, *rkey);
+                r.wr.atomic.compare_add = *compare;
+                r.wr.atomic.swap = *swap;
+                SendPayload::Sge(*local).write_sges(room, &mut flags)
+            }
+            SendOp::FetchAdd {
+                local,
+                remote_addr,
+                rkey,
+                add,
+            } => {
+                set_atomic(r, op::IBV_WR_ATOMIC_FETCH_AND_ADD, *remote_addr, *rkey);
+                r.wr.atomic.compare_add = *add;
+                SendPayload::Sge(*local).write_sges(room, &mut flags)
+            }
+        };
+        r.send_flags = flags;
+        r.num_sge = n as i32;
+        at += n;
+    }
+    link_wrs(&mut raw[..wrs.len()], sges);
+}
+
+/// A send or receive WR as [`link_wrs`] links it.
+trait ChainedWr {
+    fn num_sge(&self) -> usize;
+    fn link(&mut self, next: *mut Self, sg_list: *mut ibv_sge);
+}
+
+impl ChainedWr for ibv_send_wr {
+    fn num_sge(&self) -> usize {
+        usize::try_from(self.num_sge).unwrap_or(0)
+    }
+    fn link(&mut self, next: *mut Self, sg_list: *mut ibv_sge) {
+        (self.next, self.sg_list) = (next, sg_list);
+    }
+}
+
+impl ChainedWr for ibv_recv_wr {
+    fn num_sge(&self) -> usize {
+        usize::try_from(self.num_sge).unwrap_or(0)
+    }
+    fn link(&mut self, next: *mut Self, sg_list: *mut ibv_sge) {
+        (self.next, self.sg_list) = (next, sg_list);
+    }
+}
+
+/// Links the filled WRs `raw`, once everything is written, from one
+/// pointer into each array: each WR's `next` names the WR after it (the
+/// last none), its `sg_list` its `num_sge` SGEs, which lie in `sges` one
+/// WR after the other.
+fn link_wrs<W: ChainedWr>(raw: &mut [W], sges: &mut [ibv_sge]) {
+    let n = raw.len();
+    let base = raw.as_mut_ptr();
+    let sge_base = sges.as_mut_ptr();
+    let mut at = 0;
+    for i in 0..n {
+        // SAFETY: `i < n == raw.len()`, and `raw` itself is not used again
+        // while this reference lives: every access goes through `base`.
+        let r = unsafe { &mut *base.add(i) };
+        let k = r.num_sge();
+        let next = if i + 1 < n {
+            // SAFETY: `i + 1 < n`: inside `raw`.
+            unsafe { base.add(i + 1) }
+        } else {
+            std::ptr::null_mut()
+        };
+        let sg_list = if k > 0 && at + k <= sges.len() {
+            // SAFETY: `at + k <= sges.len()`: inside `sges`.
+            unsafe { sge_base.add(at) }
+        } else {
+            std::ptr::null_mut()
+        };
+        // Stored only; read by `ibv_post_send`/`ibv_post_recv` while
+        // both arrays live.
+        r.link(next, sg_list);
+        at += k;
+    }
+}
+
+/// Receive WRs of one `ibv_post_recv` call built on the stack.
+const STACK_RECVS: usize = 8;
+
+/// Fills the first `n` entries of `raw` with `wr(i)` (wr_id and at most
+/// one SGE, written to `sges` one after the other) and links them: `raw`
+/// and `sges` have room for `n`.
+fn fill_recv_wrs(
+    n: usize,
+    wr: &impl Fn(usize) -> (u64, Option<Sge>),
+    raw: &mut [ibv_recv_wr],
+    sges: &mut [ibv_sge],
+) {
+    let n = n.min(raw.len());
+    let mut at = 0;
+    for (i, r) in raw.iter_mut().take(n).enumerate() {
+        let (wr_id, sge) = wr(i);
+        r.wr_id = wr_id;
+        r.num_sge = 0;
+        if let Some(sge) = sge {
+            sges[at] = sge.raw();
+            r.num_sge = 1;
+            at += 1;
+        }
+    }
+    link_wrs(&mut raw[..n], sges);
 }
 
 /// One send-queue WR for [`RcQueuePair::post_send_batch`].
@@ -998,6 +1231,20 @@ pub(crate) enum SendOp<'a> {
         rkey: u32,
         add: u64,
     },
+}
+
+impl SendOp<'_> {
+    /// SGEs its WR carries.
+    fn sge_count(&self) -> usize {
+        match self {
+            SendOp::SendImm { payload, .. }
+            | SendOp::WriteImm { payload, .. }
+            | SendOp::Write { payload, .. }
+            | SendOp::Send { payload } => payload.sge_count(),
+            SendOp::ReadList { local, .. } => local.len(),
+            SendOp::Read { .. } | SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. } => 1,
+        }
+    }
 }
 
 /// An RC QP and its CQ (reporting to a completion channel of its own or
@@ -1547,17 +1794,9 @@ impl RcQueuePair {
     /// Posts `n` zero-length receive WRs (RDMA WRITE WITH IMM needs one each).
     pub(crate) fn post_recvs(&mut self, n: u32) -> Result<()> {
         crate::verbs::fork::check("ibv_post_recv")?;
-        if n == 0 {
-            return Ok(());
-        }
-        let mut guard = self.qp.start_post_recv();
-        for _ in 0..n {
-            guard.construct_wr(Work::Recv(0).wr_id());
-        }
-        guard.post().map_err(|e| Error::Verbs {
-            op: "ibv_post_recv",
-            source: io::Error::other(e),
-        })
+        let wr_id = Work::Recv(0).wr_id();
+        // SAFETY: no SGE: nothing is written to memory.
+        unsafe { self.post_recv_list(n as usize, |_| (wr_id, None)) }
     }
 
     /// Posts one receive WR per `(wr_id, sge)`: a SEND lands in the SGE's
@@ -1570,19 +1809,58 @@ impl RcQueuePair {
     /// program until the receive completes (or is flushed).
     pub(crate) unsafe fn post_recv_sges(&mut self, wrs: &[(u64, Sge)]) -> Result<()> {
         crate::verbs::fork::check("ibv_post_recv")?;
-        if wrs.is_empty() {
+        // SAFETY: the caller guarantees each SGE's memory (see above).
+        unsafe { self.post_recv_list(wrs.len(), |i| (wrs[i].0, Some(wrs[i].1))) }
+    }
+
+    /// Posts `n` receive WRs, the `i`th `wr(i)` (its wr_id and at most one
+    /// SGE), with one `ibv_post_recv` call; up to [`STACK_RECVS`] built on
+    /// the stack (sideway's guard made two heap allocations per call).
+    ///
+    /// # Safety
+    /// As [`post_recv_sges`](Self::post_recv_sges) for every SGE given.
+    unsafe fn post_recv_list(
+        &mut self,
+        n: usize,
+        wr: impl Fn(usize) -> (u64, Option<Sge>),
+    ) -> Result<()> {
+        if n == 0 {
             return Ok(());
         }
-        let mut guard = self.qp.start_post_recv();
-        for &(wr_id, sge) in wrs {
-            let wr = guard.construct_wr(wr_id);
-            // SAFETY: the caller guarantees the SGE's memory (see above).
-            unsafe { wr.setup_sge(sge.lkey, sge.addr, sge.len) };
+        let empty_wr = ibv_recv_wr {
+            wr_id: 0,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: 0,
+        };
+        let empty_sge = ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        // SAFETY: only the address is taken, used below while `self` (and
+        // so the QP) lives.
+        let qp = unsafe { self.qp.qp() }.as_ptr();
+        let post = |raw: &mut [ibv_recv_wr], sges: &mut [ibv_sge]| {
+            fill_recv_wrs(n, &wr, raw, sges);
+            let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+            // SAFETY: valid QP; `raw` holds `n` linked, initialised WRs
+            // whose SGEs lie in `sges`, both live across the call; the
+            // memory the SGEs name is the caller's promise.
+            let ret = unsafe { ibv_post_recv(qp, raw.as_mut_ptr(), &mut bad) };
+            if ret != 0 {
+                return Err(Error::Verbs {
+                    op: "ibv_post_recv",
+                    source: io::Error::from_raw_os_error(ret),
+                });
+            }
+            Ok(())
+        };
+        if n <= STACK_RECVS {
+            post(&mut [empty_wr; STACK_RECVS], &mut [empty_sge; STACK_RECVS])
+        } else {
+            post(&mut vec![empty_wr; n], &mut vec![empty_sge; n])
         }
-        guard.post().map_err(|e| Error::Verbs {
-            op: "ibv_post_recv",
-            source: io::Error::other(e),
-        })
     }
 
     /// Posts `wrs` (SEND and RDMA WRITE WITH IMM, RDMA READ and WRITE,
@@ -1599,97 +1877,51 @@ impl RcQueuePair {
         if wrs.is_empty() {
             return Ok(());
         }
-        let mut guard = self.qp.start_post_send();
-        for w in wrs {
-            let mut flags = if w.signaled {
-                WorkRequestFlags::Signaled
-            } else {
-                WorkRequestFlags::none()
-            };
-            if w.solicited
-                && matches!(
-                    w.op,
-                    SendOp::SendImm { .. } | SendOp::WriteImm { .. } | SendOp::Send { .. }
-                )
-            {
-                flags |= WorkRequestFlags::Solicited;
-            }
-            let wr = guard.construct_wr(w.wr_id, flags);
-            match w.op {
-                SendOp::SendImm { payload, imm } => {
-                    let wr = wr.setup_send_imm(imm.to_be());
-                    // SAFETY: the caller guarantees the SGEs' memory.
-                    unsafe { set_payload(wr, payload) };
-                }
-                SendOp::WriteImm {
-                    payload,
-                    remote_addr,
-                    rkey,
-                    imm,
-                } => {
-                    let wr = wr.setup_write_imm(rkey, remote_addr, imm.to_be());
-                    // SAFETY: the caller guarantees the SGEs' memory.
-                    unsafe { set_payload(wr, payload) };
-                }
-                SendOp::Read {
-                    local,
-                    remote_addr,
-                    rkey,
-                } => {
-                    let wr = wr.setup_read(rkey, remote_addr);
-                    // SAFETY: the caller guarantees the SGE's memory.
-                    unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
-                }
-                SendOp::ReadList {
-                    local,
-                    remote_addr,
-                    rkey,
-                } => {
-                    let wr = wr.setup_read(rkey, remote_addr);
-                    // SAFETY: the caller guarantees every SGE's memory.
-                    unsafe { set_payload(wr, SendPayload::SgeList(local)) };
-                }
-                SendOp::Write {
-                    payload,
-                    remote_addr,
-                    rkey,
-                } => {
-                    let wr = wr.setup_write(rkey, remote_addr);
-                    // SAFETY: the caller guarantees the SGEs' memory.
-                    unsafe { set_payload(wr, payload) };
-                }
-                SendOp::Send { payload } => {
-                    let wr = wr.setup_send();
-                    // SAFETY: the caller guarantees the SGEs' memory.
-                    unsafe { set_payload(wr, payload) };
-                }
-                SendOp::CompareSwap {
-                    local,
-                    remote_addr,
-                    rkey,
-                    compare,
-                    swap,
-                } => {
-                    let wr = wr.setup_atomic_compare_swap(rkey, remote_addr, compare, swap);
-                    // SAFETY: the caller guarantees the SGE's memory.
-                    unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
-                }
-                SendOp::FetchAdd {
-                    local,
-                    remote_addr,
-                    rkey,
-                    add,
-                } => {
-                    let wr = wr.setup_atomic_fetch_add(rkey, remote_addr, add);
-                    // SAFETY: the caller guarantees the SGE's memory.
-                    unsafe { wr.setup_sge(local.lkey, local.addr, local.len) };
-                }
-            }
+        let n_sges: usize = wrs.iter().map(|w| w.op.sge_count()).sum();
+        let zero_wr = || -> ibv_send_wr {
+            // SAFETY: ibv_send_wr is plain data (pointers, integers, unions
+            // of them); all-zero is a valid value that `fill_send_wrs`
+            // completes.
+            unsafe { std::mem::zeroed() }
+        };
+        let zero_sge = ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        if wrs.len() <= STACK_WRS && n_sges <= STACK_SGES {
+            let mut raw: [ibv_send_wr; STACK_WRS] = std::array::from_fn(|_| zero_wr());
+            let mut sges = [zero_sge; STACK_SGES];
+            fill_send_wrs(wrs, &mut raw, &mut sges);
+            // SAFETY: the WRs and the SGEs they name live across the call;
+            // the memory the SGEs name is the caller's promise (inline
+            // bytes are borrowed by `wrs` for this call).
+            return unsafe { self.post_linked(&mut raw[0]) };
         }
-        guard.post().map_err(|e| Error::Verbs {
-            op: "ibv_post_send",
-            source: io::Error::other(e),
-        })
+        let mut raw: Vec<ibv_send_wr> = (0..wrs.len()).map(|_| zero_wr()).collect();
+        let mut sges = vec![zero_sge; n_sges];
+        fill_send_wrs(wrs, &mut raw, &mut sges);
+        // SAFETY: as above.
+        unsafe { self.post_linked(&mut raw[0]) }
+    }
+
+    /// `ibv_post_send` of the WR list starting at `first`.
+    ///
+    /// # Safety
+    /// `first` and the WRs and SGEs it links to are fully initialised and
+    /// live across the call, as does the memory their SGEs name (the
+    /// caller of [`post_send_batch`](Self::post_send_batch) guarantees it).
+    unsafe fn post_linked(&mut self, first: &mut ibv_send_wr) -> Result<()> {
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: valid QP; the list is the caller's promise (see above).
+        let ret = unsafe { ibv_post_send(self.qp.qp().as_ptr(), first, &mut bad) };
+        if ret != 0 {
+            return Err(Error::Verbs {
+                op: "ibv_post_send",
+                source: io::Error::from_raw_os_error(ret),
+            });
+        }
+        Ok(())
     }
 
     /// Moves this QP's completions into `out` without blocking (its own
@@ -1775,7 +2007,231 @@ impl Drop for RcQueuePair {
 
 #[cfg(test)]
 mod tests {
-    use super::{WcStatus, Work};
+    use super::{
+        SendOp, SendPayload, SendWr, Sge, WcStatus, Work, fill_recv_wrs, fill_send_wrs,
+        ibv_recv_wr, ibv_send_flags, ibv_send_wr, ibv_sge, ibv_wr_opcode,
+    };
+
+    fn zero_wr() -> ibv_send_wr {
+        // SAFETY: plain data; all-zero is valid.
+        unsafe { std::mem::zeroed() }
+    }
+
+    const NO_SGE: ibv_sge = ibv_sge {
+        addr: 0,
+        length: 0,
+        lkey: 0,
+    };
+
+    /// Three WRs: an inline WRITE WITH IMM, a SEND of data and a trailer
+    /// from two SGEs, and a READ: each gets its opcode, flags, remote
+    /// fields and SGEs, linked in order, and an inline SGE names the
+    /// caller's bytes themselves.
+    #[test]
+    fn send_wrs_are_filled_and_linked_in_order() {
+        let data = [7u8; 24];
+        let sge = |addr, len, lkey| Sge { addr, len, lkey };
+        let wrs = [
+            SendWr {
+                wr_id: 11,
+                signaled: true,
+                solicited: true,
+                op: SendOp::WriteImm {
+                    payload: SendPayload::InlineTrailer(&data, [1, 2, 3, 4]),
+                    remote_addr: 0x1000,
+                    rkey: 0x55,
+                    imm: 0x0102_0304,
+                },
+            },
+            SendWr {
+                wr_id: 12,
+                signaled: false,
+                solicited: true,
+                op: SendOp::SendImm {
+                    payload: SendPayload::SgeTrailer(sge(0x2000, 100, 9), sge(0x3000, 4, 9)),
+                    imm: 5,
+                },
+            },
+            SendWr {
+                wr_id: 13,
+                signaled: true,
+                // A READ consumes no receive WR: never solicited.
+                solicited: true,
+                op: SendOp::Read {
+                    local: sge(0x4000, 64, 8),
+                    remote_addr: 0x5000,
+                    rkey: 0x66,
+                },
+            },
+        ];
+        let mut raw: [ibv_send_wr; 4] = std::array::from_fn(|_| zero_wr());
+        let mut sges = [NO_SGE; 8];
+        fill_send_wrs(&wrs, &mut raw, &mut sges);
+        let base = raw.as_ptr();
+        let sge_base = sges.as_ptr();
+        let (signaled, solicited, inline) = (
+            ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ibv_send_flags::IBV_SEND_SOLICITED.0,
+            ibv_send_flags::IBV_SEND_INLINE.0,
+        );
+
+        assert_eq!(raw[0].wr_id, 11);
+        assert_eq!(raw[0].opcode, ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM);
+        assert_eq!(raw[0].send_flags, signaled | solicited | inline);
+        // SAFETY (union reads): both members are integers set above.
+        assert_eq!(unsafe { raw[0].wr.rdma.remote_addr }, 0x1000);
+        assert_eq!(unsafe { raw[0].wr.rdma.rkey }, 0x55);
+        assert_eq!(
+            unsafe { raw[0].imm_data_invalidated_rkey_union.imm_data },
+            0x0102_0304u32.to_be()
+        );
+        assert_eq!(raw[0].num_sge, 2);
+        assert_eq!(raw[0].sg_list.cast_const(), sge_base);
+        assert_eq!(raw[0].next.cast_const(), base.wrapping_add(1));
+        assert_eq!((sges[0].addr, sges[0].length), (data.as_ptr() as u64, 24));
+        // The trailer's SGE names the array inside `wrs`, which outlives
+        // the post.
+        let SendOp::WriteImm {
+            payload: SendPayload::InlineTrailer(_, trailer),
+            ..
+        } = &wrs[0].op
+        else {
+            unreachable!()
+        };
+        assert_eq!((sges[1].addr, sges[1].length), (trailer.as_ptr() as u64, 4));
+
+        assert_eq!(raw[1].wr_id, 12);
+        assert_eq!(raw[1].opcode, ibv_wr_opcode::IBV_WR_SEND_WITH_IMM);
+        assert_eq!(raw[1].send_flags, solicited);
+        assert_eq!(raw[1].num_sge, 2);
+        assert_eq!(raw[1].sg_list.cast_const(), sge_base.wrapping_add(2));
+        assert_eq!(raw[1].next.cast_const(), base.wrapping_add(2));
+        assert_eq!(
+            [
+                (sges[2].addr, sges[2].length, sges[2].lkey),
+                (sges[3].addr, sges[3].length, sges[3].lkey)
+            ],
+            [(0x2000, 100, 9), (0x3000, 4, 9)]
+        );
+
+        assert_eq!(raw[2].wr_id, 13);
+        assert_eq!(raw[2].opcode, ibv_wr_opcode::IBV_WR_RDMA_READ);
+        assert_eq!(raw[2].send_flags, signaled);
+        assert_eq!(unsafe { raw[2].wr.rdma.remote_addr }, 0x5000);
+        assert_eq!(unsafe { raw[2].wr.rdma.rkey }, 0x66);
+        assert_eq!(raw[2].num_sge, 1);
+        assert_eq!(raw[2].sg_list.cast_const(), sge_base.wrapping_add(4));
+        assert!(raw[2].next.is_null(), "the last WR ends the list");
+        assert_eq!(
+            (sges[4].addr, sges[4].length, sges[4].lkey),
+            (0x4000, 64, 8)
+        );
+        // Nothing written past the WRs' SGEs.
+        assert_eq!(sges[5].addr, 0);
+    }
+
+    /// Atomics carry their operands, and a WR without payload has no SGE.
+    #[test]
+    fn atomics_and_payloadless_wrs_are_filled() {
+        let local = Sge {
+            addr: 0x10,
+            len: 8,
+            lkey: 3,
+        };
+        let wrs = [
+            SendWr {
+                wr_id: 1,
+                signaled: true,
+                solicited: false,
+                op: SendOp::CompareSwap {
+                    local,
+                    remote_addr: 0x20,
+                    rkey: 4,
+                    compare: 5,
+                    swap: 6,
+                },
+            },
+            SendWr {
+                wr_id: 2,
+                signaled: true,
+                solicited: false,
+                op: SendOp::FetchAdd {
+                    local,
+                    remote_addr: 0x28,
+                    rkey: 4,
+                    add: 9,
+                },
+            },
+            SendWr {
+                wr_id: 3,
+                signaled: false,
+                solicited: true,
+                op: SendOp::WriteImm {
+                    payload: SendPayload::None,
+                    remote_addr: 0,
+                    rkey: 0,
+                    imm: 77,
+                },
+            },
+        ];
+        let mut raw: [ibv_send_wr; 3] = std::array::from_fn(|_| zero_wr());
+        let mut sges = [NO_SGE; 2];
+        fill_send_wrs(&wrs, &mut raw, &mut sges);
+        assert_eq!(raw[0].opcode, ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP);
+        // SAFETY (union reads): integers set above.
+        let a = unsafe { raw[0].wr.atomic };
+        assert_eq!(
+            (a.remote_addr, a.rkey, a.compare_add, a.swap),
+            (0x20, 4, 5, 6)
+        );
+        assert_eq!(raw[1].opcode, ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD);
+        let a = unsafe { raw[1].wr.atomic };
+        assert_eq!((a.remote_addr, a.rkey, a.compare_add), (0x28, 4, 9));
+        assert_eq!((raw[0].num_sge, raw[1].num_sge, raw[2].num_sge), (1, 1, 0));
+        assert_eq!(raw[1].sg_list.cast_const(), sges.as_ptr().wrapping_add(1));
+        assert!(raw[2].sg_list.is_null());
+        assert_eq!(
+            raw[2].send_flags,
+            ibv_send_flags::IBV_SEND_SOLICITED.0,
+            "a zero-length WRITE WITH IMM is solicited, not inline"
+        );
+    }
+
+    /// Receive WRs: each wr_id and at most one SGE, linked.
+    #[test]
+    fn recv_wrs_are_filled_and_linked() {
+        let empty = ibv_recv_wr {
+            wr_id: 0,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: 0,
+        };
+        let mut raw = [empty; 4];
+        let mut sges = [NO_SGE; 4];
+        let wr = |i: usize| {
+            let sge = (i != 1).then_some(Sge {
+                addr: 0x100 * i as u64,
+                len: 32,
+                lkey: 2,
+            });
+            (40 + i as u64, sge)
+        };
+        fill_recv_wrs(3, &wr, &mut raw, &mut sges);
+        assert_eq!(
+            raw.iter().map(|r| (r.wr_id, r.num_sge)).collect::<Vec<_>>(),
+            [(40, 1), (41, 0), (42, 1), (0, 0)]
+        );
+        let base = raw.as_ptr();
+        assert_eq!(raw[0].next.cast_const(), base.wrapping_add(1));
+        assert_eq!(raw[1].next.cast_const(), base.wrapping_add(2));
+        assert!(raw[2].next.is_null());
+        assert_eq!(raw[0].sg_list.cast_const(), sges.as_ptr());
+        assert!(raw[1].sg_list.is_null());
+        // The SGEs lie one after the other: WR 2's is the second.
+        assert_eq!(raw[2].sg_list.cast_const(), sges.as_ptr().wrapping_add(1));
+        assert_eq!((sges[1].addr, sges[1].length, sges[1].lkey), (0x200, 32, 2));
+        assert_eq!(sges[2].addr, 0, "nothing written past the SGEs");
+    }
 
     #[test]
     fn every_work_space_decodes_to_itself() {
