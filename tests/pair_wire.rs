@@ -1397,6 +1397,13 @@ async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
                 .await
                 .unwrap();
             tokio::spawn(async move {
+                // b's warm-up endpoint: one message back, then kept until
+                // b closes it.
+                let (warm, _) = ml.accept().await.unwrap();
+                let m = warm.recv().await.unwrap().unwrap();
+                warm.send_copy(&m).await.unwrap();
+                let _ = warm.recv().await;
+                drop(warm);
                 let (ep, _) = ml.accept().await.unwrap();
                 let region = LocalRegion::new(ep.pool().alloc_any(GRANT).await.unwrap());
                 let grant = ep
@@ -1411,6 +1418,8 @@ async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
                 }
             });
             let l = RdmaListener::bind_with(at(PORT), &cfg).await.unwrap();
+            let (warm, _) = l.accept().await.unwrap();
+            assert_eq!(echo(warm).await.unwrap(), 1);
             let (_idle, _) = l.accept().await.unwrap();
             let (mut busy, _) = l.accept().await.unwrap();
             let (mut down, _) = l.accept().await.unwrap();
@@ -1441,6 +1450,25 @@ async fn z_peer_host_crash_is_an_error_idle_or_mid_transfer() {
                 PoolConfig::new().max_registered_bytes(16 << 20),
             )
             .unwrap();
+            // A stream and a message endpoint (on the default pool) first:
+            // they open what the process keeps for every later connection
+            // (the runtime's completion channels, the rdma_cm event
+            // channel), whichever tests ran before this one.
+            echo_client(connect(PORT, &cfg).await, 22, 1).await;
+            let warm_cfg = MessageConfig::new().connection(cfg.clone());
+            let warm = retry(TRIES, || {
+                MessageEndpoint::connect_with(at(PORT - 1), &warm_cfg)
+            })
+            .await;
+            warm.send_copy(b"warm-up").await.unwrap();
+            assert_eq!(&warm.recv().await.unwrap().unwrap()[..], b"warm-up");
+            drop(warm);
+            common::background_delivery_done(DELIVERY).await;
+            let t = Instant::now();
+            while tokio_rdma::stats::resources().cm_ids > 0 {
+                assert!(t.elapsed() < Duration::from_secs(30), "the warm-ups' ids");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             let (start, fds) = (tokio_rdma::stats::resources(), open_fds());
             let mut s = connect(PORT, &cfg).await;
             let mut busy = connect(PORT, &cfg).await;
