@@ -136,7 +136,7 @@ pub mod __testing {
         /// the protocol core, waiters, counters); `None` once the
         /// connection is gone.
         pub fn dump(&self) -> Option<String> {
-            self.0.upgrade().map(|c| crate::RdmaStream::debug_state(&c))
+            self.0.upgrade().map(|c| crate::stream::debug_state(&c))
         }
     }
 

@@ -22,7 +22,7 @@ use crate::config::RdmaConfig;
 use crate::stats::ConnectionStats;
 use conn::StreamState;
 #[cfg(tokio_rdma_guest)]
-pub(crate) type DebugConn = conn::Conn;
+pub(crate) use conn::{Conn as DebugConn, debug_state};
 
 type Handle = crate::conn::Handle<StreamState>;
 
@@ -136,11 +136,6 @@ impl RdmaStream {
     #[cfg(tokio_rdma_guest)]
     pub(crate) fn debug_probe(&self) -> std::sync::Weak<conn::Conn> {
         self.conn.downgrade()
-    }
-
-    #[cfg(tokio_rdma_guest)]
-    pub(crate) fn debug_state(conn: &conn::Conn) -> String {
-        conn::debug_state(conn)
     }
 
     #[cfg(tokio_rdma_guest)]
